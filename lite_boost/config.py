@@ -1,0 +1,241 @@
+"""Configuration dataclasses.
+
+Every config validates itself in ``__post_init__`` and raises :class:`ConfigError` naming the field
+and the accepted values, so a bad setting fails before any model is touched or any collective runs.
+``from_dict`` rejects unknown keys (a typo never silently falls back to a default) and
+``from_yaml`` loads the same structure from a YAML file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = [
+    "ConfigError",
+    "SparseConfig",
+    "ParallelConfig",
+    "BoostConfig",
+    "ATTENTION_BACKEND_NAMES",
+]
+
+# Names accepted for the dense attention backend (kept here so the config can validate without
+# importing the ops package). ``lite_boost.ops.attention`` registers exactly these.
+ATTENTION_BACKEND_NAMES = ("fa3", "fa2", "npu", "sdpa")
+SPARSE_TYPES = (None, "rf_v2")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the accepted values."""
+
+
+def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None, allow_none=False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer{' or None' if allow_none else ''}, got {value!r}")
+    if lo is not None and value < lo:
+        raise ConfigError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{name} must be <= {hi}, got {value}")
+
+
+def _check_bool(name: str, value: Any):
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_choice(name: str, value: Any, choices):
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+class _ConfigMixin:
+    """from_dict / to_dict / from_yaml shared by all configs."""
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None):
+        if data is None:
+            return cls()
+        if isinstance(data, cls):
+            return data
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{cls.__name__} expects a mapping, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(
+                f"unknown {cls.__name__} key(s) {unknown}; accepted keys are {sorted(names)}"
+            )
+        kwargs = dict(data)
+        for f in dataclasses.fields(cls):
+            sub = _NESTED.get((cls.__name__, f.name))
+            if sub is not None and f.name in kwargs and isinstance(kwargs[f.name], Mapping):
+                kwargs[f.name] = sub.from_dict(kwargs[f.name])
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_yaml(cls, path: str):
+        import yaml
+
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh) or {}
+        return cls.from_dict(data)
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class SparseConfig(_ConfigMixin):
+    """Block-sparse self-attention (RainFusion 2.0 style) and its step/layer schedule.
+
+    sparse_type: None = dense attention; "rf_v2" = block-sparse path of ``ops.sparse_attention``.
+    sparsity: fraction of KV blocks dropped per query block, in [0, 1).
+    block_size: tokens per block (query and key blocks).
+    window: (t, h, w) spatio-temporal token window whose volume equals block_size, or None for the
+        reference 8x8 spatial windows of one frame.
+    dense_steps_first / dense_steps_last: denoising steps run with dense attention at the start / end.
+    dense_layers: indices of transformer blocks that always use dense attention.
+    mask_reuse_steps: a computed block mask is reused for this many steps (1 = recompute every step).
+    min_seq_len: sequences shorter than this use dense attention (mask overhead would dominate).
+    """
+
+    sparse_type: str | None = "rf_v2"
+    sparsity: float = 0.8
+    block_size: int = 128
+    window: tuple[int, int, int] | None = None
+    keep_sink: bool = True
+    keep_recent: bool = True
+    cdf_threshold: float = 1.0
+    dense_steps_first: int = 0
+    dense_steps_last: int = 0
+    dense_layers: tuple[int, ...] = ()
+    mask_reuse_steps: int = 1
+    min_seq_len: int = 0
+
+    def __post_init__(self):
+        _check_choice("sparse_type", self.sparse_type, SPARSE_TYPES)
+        if isinstance(self.sparsity, bool) or not isinstance(self.sparsity, (int, float)):
+            raise ConfigError(f"sparsity must be a float in [0, 1), got {self.sparsity!r}")
+        if not (0.0 <= float(self.sparsity) < 1.0) or math.isnan(self.sparsity):
+            raise ConfigError(f"sparsity must be in [0, 1), got {self.sparsity}")
+        _check_int("block_size", self.block_size, lo=1)
+        if self.window is not None:
+            w = tuple(self.window)
+            if len(w) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in w):
+                raise ConfigError(f"window must be None or three positive ints (t, h, w), got {self.window!r}")
+            if math.prod(w) != self.block_size:
+                raise ConfigError(
+                    f"window volume t*h*w must equal block_size={self.block_size}, got {w} (volume {math.prod(w)})"
+                )
+            object.__setattr__(self, "window", w)
+        _check_bool("keep_sink", self.keep_sink)
+        _check_bool("keep_recent", self.keep_recent)
+        if not isinstance(self.cdf_threshold, (int, float)) or not (0.0 < float(self.cdf_threshold) <= 1.0):
+            raise ConfigError(f"cdf_threshold must be in (0, 1], got {self.cdf_threshold!r}")
+        _check_int("dense_steps_first", self.dense_steps_first, lo=0)
+        _check_int("dense_steps_last", self.dense_steps_last, lo=0)
+        layers = tuple(self.dense_layers)
+        for x in layers:
+            _check_int("dense_layers[i]", x, lo=0)
+        object.__setattr__(self, "dense_layers", layers)
+        _check_int("mask_reuse_steps", self.mask_reuse_steps, lo=1)
+        _check_int("min_seq_len", self.min_seq_len, lo=0)
+
+
+@dataclass(frozen=True)
+class ParallelConfig(_ConfigMixin):
+    """Process mesh (cfg x sequence) for ``ParallelManager``.
+
+    sequence_degree: ranks that share one sequence (Ulysses); None = world_size // cfg_degree.
+    cfg_degree: 1 or 2 (conditional and unconditional passes on different rank groups).
+    timeout_s: collective timeout in seconds; a dead or failing rank makes the others exit.
+    backend: torch.distributed backend (None = nccl on CUDA, hccl on NPU, gloo on CPU).
+    vae_parallel: decode the VAE in temporal chunks across ranks.
+    """
+
+    sequence_degree: int | None = None
+    cfg_degree: int = 1
+    timeout_s: float = 600.0
+    backend: str | None = None
+    vae_parallel: bool = False
+
+    def __post_init__(self):
+        _check_int("sequence_degree", self.sequence_degree, lo=1, allow_none=True)
+        _check_choice("cfg_degree", self.cfg_degree, (1, 2))
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+        _check_choice("backend", self.backend, (None, "gloo", "nccl", "hccl"))
+        _check_bool("vae_parallel", self.vae_parallel)
+
+    def resolve(self, world_size: int) -> tuple[int, int]:
+        """Return (cfg_degree, sequence_degree) for ``world_size`` or raise listing valid choices."""
+        _check_int("world_size", world_size, lo=1)
+        if world_size % self.cfg_degree:
+            raise ConfigError(
+                f"cfg_degree={self.cfg_degree} does not divide world_size={world_size}; "
+                f"valid cfg_degree values: {[c for c in (1, 2) if world_size % c == 0]}"
+            )
+        seq = self.sequence_degree if self.sequence_degree is not None else world_size // self.cfg_degree
+        if seq * self.cfg_degree != world_size:
+            valid = [d for d in range(1, world_size + 1) if d * self.cfg_degree == world_size]
+            raise ConfigError(
+                f"sequence_degree={seq} x cfg_degree={self.cfg_degree} must equal world_size={world_size}; "
+                f"valid sequence_degree for this cfg_degree: {valid}"
+            )
+        return self.cfg_degree, seq
+
+
+@dataclass(frozen=True)
+class BoostConfig(_ConfigMixin):
+    """Top-level config for ``lite_boost.boost`` / ``ParallelManager``.
+
+    attention_backend: None = automatic (fa3 -> fa2 -> npu -> sdpa) or one of ATTENTION_BACKEND_NAMES.
+    rope_cache_size: how many RoPE table sets (grid, head_dim, device, slice) are kept (LRU).
+    sparse: SparseConfig or None (dense self-attention).
+    parallel: ParallelConfig.
+    """
+
+    attention_backend: str | None = None
+    rope_cache_size: int = 8
+    sparse: SparseConfig | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self):
+        _check_choice("attention_backend", self.attention_backend, (None,) + ATTENTION_BACKEND_NAMES)
+        _check_int("rope_cache_size", self.rope_cache_size, lo=1)
+        if isinstance(self.sparse, Mapping):
+            object.__setattr__(self, "sparse", SparseConfig.from_dict(self.sparse))
+        if self.sparse is not None and not isinstance(self.sparse, SparseConfig):
+            raise ConfigError(f"sparse must be a SparseConfig, a mapping or None, got {type(self.sparse).__name__}")
+        if isinstance(self.parallel, Mapping):
+            object.__setattr__(self, "parallel", ParallelConfig.from_dict(self.parallel))
+        if not isinstance(self.parallel, ParallelConfig):
+            raise ConfigError(f"parallel must be a ParallelConfig or a mapping, got {type(self.parallel).__name__}")
+
+    @classmethod
+    def coerce(cls, config: "BoostConfig | SparseConfig | ParallelConfig | Mapping | None") -> "BoostConfig":
+        """Accept a BoostConfig, a sub-config, a mapping or None and return a BoostConfig."""
+        if config is None:
+            return cls()
+        if isinstance(config, BoostConfig):
+            return config
+        if isinstance(config, SparseConfig):
+            return cls(sparse=config)
+        if isinstance(config, ParallelConfig):
+            return cls(parallel=config)
+        if isinstance(config, Mapping):
+            return cls.from_dict(config)
+        raise ConfigError(
+            "config must be a BoostConfig, SparseConfig, ParallelConfig, a mapping or None, "
+            f"got {type(config).__name__}"
+        )
+
+
+_NESTED = {("BoostConfig", "sparse"): SparseConfig, ("BoostConfig", "parallel"): ParallelConfig}

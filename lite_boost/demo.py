@@ -1,0 +1,125 @@
+"""Tiny random-weight Wan pipelines that build offline in milliseconds.
+
+They exist for the default ``lite-boost generate`` run, the examples and the tests: the same
+diffusers classes as the real Wan2.1 / Wan2.2 checkpoints (WanTransformer3DModel, AutoencoderKLWan,
+UMT5 text encoder, FlowMatchEulerDiscreteScheduler, CLIP image encoder for I2V), scaled down.
+No hub access: the tokenizer is a WordLevel model built in memory.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["TinyWanSpec", "tiny_wan_transformer", "tiny_wan_pipeline", "DEMO_PROMPT", "DEMO_NEGATIVE_PROMPT"]
+
+DEMO_PROMPT = "a red fox runs through fresh snow at dawn"
+DEMO_NEGATIVE_PROMPT = "blurry low quality static"
+_WORDS = (DEMO_PROMPT + " " + DEMO_NEGATIVE_PROMPT + " a the cat dog walks on beach in city at night rain").split()
+_TEXT_LEN = 512  # Wan's processor hard-codes a 512-token text context
+
+
+@dataclass(frozen=True)
+class TinyWanSpec:
+    """Size of a tiny Wan transformer (defaults: 2 heads of 24 channels, 2 layers)."""
+
+    heads: int = 2
+    head_dim: int = 24
+    layers: int = 2
+    ffn_dim: int = 64
+    text_dim: int = 32
+    freq_dim: int = 32
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    in_channels: int = 16
+    out_channels: int = 16
+    image_dim: int | None = None  # set for I2V
+    added_kv_proj_dim: int | None = None  # set for I2V
+
+
+def tiny_wan_transformer(spec: TinyWanSpec = TinyWanSpec(), seed: int = 0, dtype=torch.float32):
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = WanTransformer3DModel(
+        patch_size=spec.patch_size,
+        num_attention_heads=spec.heads,
+        attention_head_dim=spec.head_dim,
+        in_channels=spec.in_channels,
+        out_channels=spec.out_channels,
+        text_dim=spec.text_dim,
+        freq_dim=spec.freq_dim,
+        ffn_dim=spec.ffn_dim,
+        num_layers=spec.layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        image_dim=spec.image_dim,
+        added_kv_proj_dim=spec.added_kv_proj_dim,
+        rope_max_seq_len=1024,
+    )
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    return model.eval()
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2}
+    for w in _WORDS:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", model_max_length=_TEXT_LEN
+    )
+
+
+def tiny_wan_pipeline(kind: str = "t2v", *, spec: TinyWanSpec | None = None, seed: int = 0,
+                      dtype=torch.float32, two_stage: bool = False, boundary_ratio: float = 0.5):
+    """Build a tiny random-weight Wan pipeline.
+
+    kind: "t2v" (WanPipeline) or "i2v" (WanImageToVideoPipeline with a tiny CLIP image encoder).
+    two_stage: add ``transformer_2`` with ``boundary_ratio`` (the Wan2.2 A14B layout).
+    """
+    if kind not in ("t2v", "i2v"):
+        raise ValueError(f"kind must be 't2v' or 'i2v', got {kind!r}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    spec = spec or TinyWanSpec()
+    if kind == "i2v" and spec.image_dim is None:
+        spec = TinyWanSpec(**{**spec.__dict__, "in_channels": 36, "image_dim": 4,
+                              "added_kv_proj_dim": spec.heads * spec.head_dim})
+    torch.manual_seed(seed)
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(vocab_size=64, d_model=spec.text_dim, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                   relative_attention_num_buckets=8)
+    ).eval()
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True]).eval()
+    transformer = tiny_wan_transformer(spec, seed=seed + 2, dtype=dtype)
+    transformer_2 = tiny_wan_transformer(spec, seed=seed + 3, dtype=dtype) if two_stage else None
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    kwargs = dict(tokenizer=_tokenizer(), text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                  transformer=transformer, transformer_2=transformer_2,
+                  boundary_ratio=boundary_ratio if two_stage else None)
+    if kind == "t2v":
+        pipe = WanPipeline(**kwargs)
+    else:
+        from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+        torch.manual_seed(seed + 4)
+        image_encoder = CLIPVisionModelWithProjection(
+            CLIPVisionConfig(hidden_size=spec.image_dim, projection_dim=spec.image_dim, num_hidden_layers=2,
+                             num_attention_heads=2, intermediate_size=16, image_size=32, patch_size=8)
+        ).eval()
+        image_processor = CLIPImageProcessor(crop_size=32, size=32)
+        pipe = WanImageToVideoPipeline(image_encoder=image_encoder, image_processor=image_processor, **kwargs)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

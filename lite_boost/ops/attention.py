@@ -1,0 +1,369 @@
+"""Dense attention dispatch: FA3 -> FA2 -> Ascend prompt flash attention -> PyTorch SDPA.
+
+Each backend declares the devices, dtypes and head dims it accepts and how to find out whether it
+is installed. ``attention(q, k, v)`` picks the first backend that can run the call; the choice is
+cached per (device, dtype, head_dim, request) signature and logged once with the reason. A backend
+can be forced per call (``backend="sdpa"``), for a block of code (``with attention_backend("fa2")``)
+or for the process (environment variable ``LITE_BOOST_ATTN_BACKEND``). Forcing a backend that
+cannot run raises :class:`AttentionBackendError` saying why and listing the usable ones.
+
+Optional packages (flash_attn, flash_attn_interface, torch_npu) are imported lazily, on the first
+call that could use them; their absence never breaks ``import lite_boost``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ATTENTION_BACKEND_NAMES
+
+__all__ = [
+    "AttentionBackendError",
+    "BackendSpec",
+    "BACKENDS",
+    "ENV_VAR",
+    "LAYOUTS",
+    "attention",
+    "attention_backend",
+    "available_backends",
+    "backend_report",
+    "select_backend",
+    "validate_qkv",
+]
+
+logger = logging.getLogger("lite_boost.attention")
+
+ENV_VAR = "LITE_BOOST_ATTN_BACKEND"
+LAYOUTS = ("BSND", "BNSD")
+_AUTO_ORDER = ("fa3", "fa2", "npu", "sdpa")
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+_FULL_WINDOW = 2147483647  # pre/next tokens for full bidirectional attention on Ascend
+
+# Context-local override set by ``attention_backend(...)``; a ContextVar, so threads and asyncio
+# tasks each see their own value and nothing leaks across them.
+_FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("lite_boost_attn_backend", default=None)
+
+
+class AttentionBackendError(RuntimeError):
+    """The requested attention backend cannot run this call; the message says why."""
+
+
+# --------------------------------------------------------------------------------------------- #
+# Optional-package probing                                                                       #
+# --------------------------------------------------------------------------------------------- #
+
+
+@functools.lru_cache(maxsize=None)
+def _import_optional(module: str):
+    """Import ``module`` or return the reason it cannot be imported (a str)."""
+    try:
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed"
+    except (ImportError, ValueError) as exc:  # a broken parent package
+        return f"{module} cannot be located ({exc.__class__.__name__}: {exc})"
+    try:
+        return importlib.import_module(module)
+    except (ImportError, RuntimeError, OSError) as exc:
+        return f"{module} is installed but failed to import ({exc.__class__.__name__}: {exc})"
+
+
+def _module_or_none(module: str):
+    mod = _import_optional(module)
+    return None if isinstance(mod, str) else mod
+
+
+def _probe_fa3() -> str | None:
+    mod = _import_optional("flash_attn_interface")
+    if isinstance(mod, str):
+        return mod
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    major, _ = torch.cuda.get_device_capability()
+    if major != 9:
+        return f"FlashAttention-3 needs a Hopper GPU (sm90), found sm{major}x"
+    return None
+
+
+def _probe_fa2() -> str | None:
+    mod = _import_optional("flash_attn")
+    if isinstance(mod, str):
+        return mod
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    return None
+
+
+def _probe_npu() -> str | None:
+    mod = _import_optional("torch_npu")
+    if isinstance(mod, str):
+        return mod
+    try:
+        ok = bool(torch.npu.is_available())  # type: ignore[attr-defined]
+    except Exception as exc:  # noqa: BLE001 - any failure means "not usable"
+        return f"torch_npu imported but torch.npu.is_available() failed ({exc})"
+    return None if ok else "torch_npu is installed but no Ascend NPU is visible"
+
+
+def _probe_sdpa() -> str | None:
+    return None if hasattr(F, "scaled_dot_product_attention") else "torch has no scaled_dot_product_attention"
+
+
+# --------------------------------------------------------------------------------------------- #
+# Backend implementations. All take and return (B, S, N, D) tensors.                            #
+# --------------------------------------------------------------------------------------------- #
+
+
+def _fa3_impl(q, k, v, scale):
+    mod = _module_or_none("flash_attn_interface")
+    out = mod.flash_attn_func(q, k, v, softmax_scale=scale, causal=False)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _fa2_impl(q, k, v, scale):
+    mod = _module_or_none("flash_attn")
+    return mod.flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=False)
+
+
+def _npu_impl(q, k, v, scale):
+    torch_npu = _module_or_none("torch_npu")
+    return torch_npu.npu_prompt_flash_attention(
+        q,
+        k,
+        v,
+        num_heads=q.shape[2],
+        num_key_value_heads=k.shape[2],
+        input_layout="BSND",
+        scale_value=scale,
+        pre_tokens=_FULL_WINDOW,
+        next_tokens=_FULL_WINDOW,
+        sparse_mode=0,
+    )
+
+
+def _sdpa_impl(q, k, v, scale):
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    gqa = {"enable_gqa": True} if qt.shape[1] != kt.shape[1] else {}
+    out = F.scaled_dot_product_attention(qt, kt, vt, scale=scale, **gqa)
+    return out.transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What a dense attention backend accepts and how to run it."""
+
+    name: str
+    devices: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]
+    max_head_dim: int
+    head_dim_multiple: int
+    max_heads: int | None
+    supports_gqa: bool
+    probe: Callable[[], str | None]
+    impl: Callable[..., torch.Tensor]
+    description: str
+
+    def rejects(self, device_type: str, dtype: torch.dtype, head_dim: int, heads: int, gqa: bool) -> str | None:
+        """The reason this backend cannot run the call, or None. Cheap checks first, probing last."""
+        if device_type not in self.devices:
+            return f"wrong device: needs {'/'.join(self.devices)}, got {device_type}"
+        if dtype not in self.dtypes:
+            return f"unsupported dtype {str(dtype).replace('torch.', '')}: accepts " + ", ".join(
+                str(d).replace("torch.", "") for d in self.dtypes
+            )
+        if head_dim > self.max_head_dim or head_dim % self.head_dim_multiple:
+            return (
+                f"unsupported head dim {head_dim}: needs <= {self.max_head_dim}"
+                + (f" and a multiple of {self.head_dim_multiple}" if self.head_dim_multiple > 1 else "")
+            )
+        if self.max_heads is not None and heads > self.max_heads:
+            return f"unsupported head count {heads}: needs <= {self.max_heads}"
+        if gqa and not self.supports_gqa:
+            return "grouped-query attention (fewer KV heads) not supported"
+        return self.probe()
+
+
+BACKENDS: dict[str, BackendSpec] = {
+    spec.name: spec
+    for spec in (
+        BackendSpec("fa3", ("cuda",), _HALF_DTYPES, 256, 8, None, True, _probe_fa3, _fa3_impl,
+                    "FlashAttention-3 (flash_attn_interface.flash_attn_func), Hopper GPUs"),
+        BackendSpec("fa2", ("cuda",), _HALF_DTYPES, 256, 8, None, True, _probe_fa2, _fa2_impl,
+                    "FlashAttention-2 (flash_attn.flash_attn_func)"),
+        BackendSpec("npu", ("npu",), _HALF_DTYPES + (torch.float32,), 512, 1, 256, True, _probe_npu, _npu_impl,
+                    "Ascend torch_npu.npu_prompt_flash_attention, BSND, full bidirectional"),
+        BackendSpec("sdpa", ("cpu", "cuda", "npu", "mps", "xpu"), _FLOAT_DTYPES, 1 << 16, 1, None, True,
+                    _probe_sdpa, _sdpa_impl, "torch.nn.functional.scaled_dot_product_attention"),
+    )
+}
+assert tuple(BACKENDS) == ATTENTION_BACKEND_NAMES
+
+
+# --------------------------------------------------------------------------------------------- #
+# Selection                                                                                      #
+# --------------------------------------------------------------------------------------------- #
+
+
+def _check_backend_name(name: str, argument: str) -> str:
+    if not isinstance(name, str) or name.lower() not in BACKENDS:
+        raise ValueError(f"{argument} must be one of {list(BACKENDS)} (or None for automatic), got {name!r}")
+    return name.lower()
+
+
+def _requested_backend(backend: str | None) -> tuple[str | None, str]:
+    """Resolve the forced backend: per call > context manager > environment variable."""
+    if backend is not None:
+        return _check_backend_name(backend, "backend"), "requested by the call"
+    forced = _FORCED.get()
+    if forced is not None:
+        return forced, "forced by attention_backend(...)"
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env and env.lower() != "auto":
+        return _check_backend_name(env, f"environment variable {ENV_VAR}"), f"forced by {ENV_VAR}"
+    return None, "automatic"
+
+
+@functools.lru_cache(maxsize=512)
+def _resolve(device_type: str, dtype: torch.dtype, head_dim: int, heads: int, gqa: bool,
+             requested: str | None, how: str) -> str:
+    reasons = {n: BACKENDS[n].rejects(device_type, dtype, head_dim, heads, gqa) for n in _AUTO_ORDER}
+    sig = f"{device_type}/{str(dtype).replace('torch.', '')}/head_dim={head_dim}/heads={heads}"
+    if requested is not None:
+        why = reasons[requested]
+        if why is not None:
+            usable = [n for n, r in reasons.items() if r is None]
+            raise AttentionBackendError(
+                f"attention backend {requested!r} ({how}) is unavailable for {sig}: {why}. "
+                f"Usable backends for this call: {usable}"
+            )
+        logger.info("lite_boost attention: using %r for %s (%s)", requested, sig, how)
+        return requested
+    for name in _AUTO_ORDER:
+        if reasons[name] is None:
+            skipped = "; ".join(f"{n}: {reasons[n]}" for n in _AUTO_ORDER[: _AUTO_ORDER.index(name)])
+            logger.info(
+                "lite_boost attention: using %r for %s (first usable in %s%s)",
+                name, sig, " -> ".join(_AUTO_ORDER), f"; skipped {skipped}" if skipped else "",
+            )
+            return name
+    raise AttentionBackendError(f"no attention backend can run {sig}: " + "; ".join(f"{n}: {r}" for n, r in reasons.items()))
+
+
+def select_backend(q: torch.Tensor, k: torch.Tensor | None = None, *, layout: str = "BSND",
+                   backend: str | None = None) -> str:
+    """Name of the backend ``attention`` would use for these tensors (raises if a forced one cannot run)."""
+    layout = _check_layout(layout)
+    heads_axis = 2 if layout == "BSND" else 1
+    kv_heads = (k if k is not None else q).shape[heads_axis]
+    requested, how = _requested_backend(backend)
+    return _resolve(q.device.type, q.dtype, q.shape[-1], q.shape[heads_axis], kv_heads != q.shape[heads_axis],
+                    requested, how)
+
+
+def available_backends(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                       head_dim: int = 128, heads: int = 8) -> dict[str, str | None]:
+    """Map backend name -> None if usable for this signature, else the reason it is not."""
+    device_type = torch.device(device).type
+    return {n: BACKENDS[n].rejects(device_type, dtype, head_dim, heads, False) for n in _AUTO_ORDER}
+
+
+def backend_report() -> list[tuple[str, str, str]]:
+    """(name, 'usable'/'unavailable', detail) per backend, probing installation only (for `lite-boost env`)."""
+    rows = []
+    for name in _AUTO_ORDER:
+        spec = BACKENDS[name]
+        why = spec.probe()
+        status = "installed" if why is None else "unavailable"
+        rows.append((name, status, spec.description if why is None else why))
+    return rows
+
+
+@contextlib.contextmanager
+def attention_backend(name: str | None) -> Iterator[None]:
+    """Force a dense attention backend inside a ``with`` block (``None`` restores automatic choice)."""
+    value = None if name is None else _check_backend_name(name, "name")
+    token = _FORCED.set(value)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+# --------------------------------------------------------------------------------------------- #
+# Entry point                                                                                    #
+# --------------------------------------------------------------------------------------------- #
+
+
+def _check_layout(layout) -> str:
+    if not isinstance(layout, str) or layout.upper() not in LAYOUTS:
+        raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
+    return layout.upper()
+
+
+def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str = "BSND") -> str:
+    """Check q/k/v ranks, dtypes, devices and shapes for ``layout``; return the normalised layout."""
+    layout = _check_layout(layout)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be a rank-4 tensor in layout {layout}, got shape {tuple(t.shape)}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+    s_ax, n_ax = (1, 2) if layout == "BSND" else (2, 1)
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        raise ValueError(
+            f"q, k and v must share the head dim (last axis), got q={q.shape[-1]}, k={k.shape[-1]}, v={v.shape[-1]}"
+        )
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"q, k and v must share the batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+    if k.shape[s_ax] != v.shape[s_ax]:
+        raise ValueError(f"k and v must have the same sequence length, got {k.shape[s_ax]} and {v.shape[s_ax]}")
+    if k.shape[n_ax] != v.shape[n_ax]:
+        raise ValueError(f"k and v must have the same number of heads, got {k.shape[n_ax]} and {v.shape[n_ax]}")
+    if q.shape[n_ax] % k.shape[n_ax]:
+        raise ValueError(
+            f"query heads ({q.shape[n_ax]}) must be a multiple of key/value heads ({k.shape[n_ax]}) in layout {layout}"
+        )
+    return layout
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "BSND",
+              scale: float | None = None, backend: str | None = None) -> torch.Tensor:
+    """Full (non-causal) scaled dot-product attention, output in the input layout and dtype.
+
+    Args:
+        q, k, v: rank-4 tensors in ``layout`` ("BSND" = batch, sequence, heads, head_dim, the layout of
+            diffusers' attention processors, or "BNSD"). k/v may have fewer heads than q (GQA).
+        scale: softmax scale; None = head_dim ** -0.5.
+        backend: force one of "fa3", "fa2", "npu", "sdpa"; None = context manager, env var, automatic.
+    """
+    layout = validate_qkv(q, k, v, layout)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0):
+        raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+    name = select_backend(q, k, layout=layout, backend=backend)
+    if layout == "BNSD":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    out = BACKENDS[name].impl(q, k, v, scale)
+    return out.transpose(1, 2) if layout == "BNSD" else out
+
+
+def clear_caches() -> None:
+    """Forget probed packages and cached choices (after installing a package mid-process, and in tests)."""
+    _import_optional.cache_clear()
+    _resolve.cache_clear()

@@ -1,0 +1,35 @@
+"""Distribution for diffusers video DiTs: Ulysses sequence parallelism and CFG parallelism.
+
+    # torchrun --nproc_per_node 4 script.py
+    from lite_boost.parallel import ParallelManager
+    pipe = ParallelManager(pipe, {"parallel": {"cfg_degree": 2}})   # cfg 2 x sequence 2
+
+This package knows nothing of any particular model: models declare a sharding plan
+(:class:`lite_boost.parallel.plan.ShardingPlan`) that the generic hooks here execute.
+"""
+
+from .comm import CommStats, Communicator, head_split, shard_length
+from .groups import ParallelMesh, init_mesh
+from .ulysses import SequenceShardInfo, UlyssesAttention
+
+__all__ = [
+    "CommStats",
+    "Communicator",
+    "ParallelManager",
+    "ParallelMesh",
+    "SequenceShardInfo",
+    "UlyssesAttention",
+    "head_split",
+    "init_mesh",
+    "initialize_usp",
+    "shard_length",
+    "unparallelize",
+]
+
+
+def __getattr__(name):  # the manager imports diffusers-facing code; load it on first use
+    if name in ("ParallelManager", "initialize_usp", "unparallelize"):
+        from . import manager
+
+        return getattr(manager, name)
+    raise AttributeError(f"module 'lite_boost.parallel' has no attribute {name!r}")

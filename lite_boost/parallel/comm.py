@@ -1,0 +1,276 @@
+"""Collectives for sequence parallelism: packed q/k/v all_to_all, uneven splits, sequence gathers.
+
+Shapes follow the (B, S, H, D) layout of the attention processors. A sequence of ``S`` tokens is cut
+into ``P`` equal shards of ``ceil(S / P)`` tokens; the last shard(s) are padded at the end, so every
+rank holds the same shape and the padding is a suffix of the global sequence. After the q/k/v
+exchange a rank holds the whole sequence for its heads and simply drops the padded suffix, so padded
+keys never take part in attention (no mask needed) and padded queries are never computed.
+
+Heads are split unevenly when ``H % P != 0``: rank ``r`` owns ``H // P + (r < H % P)`` consecutive
+heads (possibly zero when ``H < P``); the all_to_all uses per-rank split sizes.
+
+Every collective goes through a :class:`Communicator`, which also counts collectives and the bytes
+each rank sends to other ranks (benchmarks compare that count with the Ulysses lower bound). A
+communicator of size 1 turns every operation into a local no-op, so the same code runs unchanged in
+one process.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CommStats",
+    "Communicator",
+    "head_split",
+    "shard_length",
+    "pad_dim",
+]
+
+
+def head_split(num_heads: int, degree: int) -> list[int]:
+    """Heads per rank: ``num_heads // degree`` each, the first ``num_heads % degree`` ranks one more."""
+    if num_heads < 0 or degree < 1:
+        raise ValueError(f"head_split needs num_heads >= 0 and degree >= 1, got {num_heads}, {degree}")
+    base, extra = divmod(num_heads, degree)
+    return [base + (1 if r < extra else 0) for r in range(degree)]
+
+
+def shard_length(seq_len: int, degree: int) -> int:
+    """Tokens per rank after padding ``seq_len`` to a multiple of ``degree``."""
+    return -(-seq_len // degree)
+
+
+def pad_dim(x: torch.Tensor, dim: int, length: int, value: float = 0.0) -> torch.Tensor:
+    """Pad ``x`` at the end of ``dim`` up to ``length`` (no copy when already that long)."""
+    dim = dim % x.ndim
+    cur = x.shape[dim]
+    if cur == length:
+        return x
+    if cur > length:
+        raise ValueError(f"cannot pad dim {dim} of size {cur} down to {length}")
+    shape = list(x.shape)
+    shape[dim] = length - cur
+    return torch.cat([x, x.new_full(shape, value)], dim=dim)
+
+
+@dataclass
+class CommStats:
+    """Counts of collectives issued and bytes sent to other ranks, by operation name."""
+
+    calls: dict = field(default_factory=dict)
+    bytes_sent: dict = field(default_factory=dict)
+    bytes_received: dict = field(default_factory=dict)
+
+    def record(self, op: str, sent: int, received: int) -> None:
+        self.calls[op] = self.calls.get(op, 0) + 1
+        self.bytes_sent[op] = self.bytes_sent.get(op, 0) + int(sent)
+        self.bytes_received[op] = self.bytes_received.get(op, 0) + int(received)
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes_sent.clear()
+        self.bytes_received.clear()
+
+    @property
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+    @property
+    def total_bytes_sent(self) -> int:
+        return sum(self.bytes_sent.values())
+
+
+class Communicator:
+    """Collectives over one process group (or a trivial group of size 1).
+
+    Args:
+        group: the torch.distributed ProcessGroup, or None for the default group (size > 1) / no
+            communication (size 1).
+        size, rank: the group size and this rank's index in it.
+        owns_group: whether the mesh created ``group`` (and destroys it).
+        stats: optional CommStats to record collectives into (``enable_stats()`` creates one).
+    """
+
+    def __init__(self, group, size: int, rank: int, owns_group: bool = False, stats: CommStats | None = None):
+        if size < 1 or not (0 <= rank < size):
+            raise ValueError(f"invalid communicator size={size} rank={rank}")
+        self.group = group
+        self.size = size
+        self.rank = rank
+        self.owns_group = owns_group
+        self.stats = stats
+
+    def __repr__(self) -> str:
+        return f"Communicator(size={self.size}, rank={self.rank})"
+
+    def enable_stats(self) -> CommStats:
+        """Start counting collectives on this communicator; returns the CommStats."""
+        if self.stats is None:
+            self.stats = CommStats()
+        return self.stats
+
+    def _record(self, op: str, sent: int, received: int) -> None:
+        if self.stats is not None:
+            self.stats.record(op, sent, received)
+
+    # ------------------------------------------------------------------ primitives
+    def all_to_all_single(self, output, inp, output_split_sizes=None, input_split_sizes=None, op="all_to_all"):
+        """``dist.all_to_all_single`` with counting of bytes that leave this rank."""
+        if self.size == 1:
+            output.copy_(inp)
+            return output
+        es = inp.element_size()
+        row_in = inp[0].numel() if inp.ndim > 1 else 1
+        row_out = output[0].numel() if output.ndim > 1 else 1
+        self_in = (input_split_sizes[self.rank] if input_split_sizes is not None else inp.shape[0] // self.size) * row_in
+        self_out = (output_split_sizes[self.rank] if output_split_sizes is not None else output.shape[0] // self.size) * row_out
+        self._record(op, (inp.numel() - self_in) * es, (output.numel() - self_out) * es)
+        dist.all_to_all_single(output, inp, output_split_sizes, input_split_sizes, group=self.group)
+        return output
+
+    def all_gather_into(self, output: torch.Tensor, inp: torch.Tensor, op="all_gather") -> torch.Tensor:
+        """Gather equal-size ``inp`` from every rank into ``output`` (concatenated along dim 0)."""
+        if self.size == 1:
+            output.copy_(inp.reshape(output.shape))
+            return output
+        es = inp.element_size()
+        self._record(op, inp.numel() * es * (self.size - 1), inp.numel() * es * (self.size - 1))
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        fn(output, inp.contiguous(), group=self.group)
+        return output
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, op="broadcast") -> torch.Tensor:
+        """Broadcast ``tensor`` in place from group rank ``src``."""
+        if self.size == 1:
+            return tensor
+        sent = tensor.numel() * tensor.element_size() * (self.size - 1) if self.rank == src else 0
+        self._record(op, sent, 0 if self.rank == src else tensor.numel() * tensor.element_size())
+        src_global = dist.get_global_rank(self.group, src) if self.group is not None else src
+        dist.broadcast(tensor, src=src_global, group=self.group)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self.group)
+
+    # ------------------------------------------------------------------ sequence helpers
+    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's equal shard of ``x`` along ``dim`` (padded with zeros at the global end). Local."""
+        if self.size == 1:
+            return x
+        dim = dim % x.ndim
+        s = shard_length(x.shape[dim], self.size)
+        start = self.rank * s
+        stop = min(start + s, x.shape[dim])
+        part = x.narrow(dim, min(start, x.shape[dim]), max(stop - start, 0))
+        return pad_dim(part, dim, s).contiguous() if part.shape[dim] != s else part.contiguous()
+
+    def gather(self, x: torch.Tensor, dim: int, length: int | None = None) -> torch.Tensor:
+        """All-gather equal shards along ``dim`` and drop the padding beyond ``length``."""
+        if self.size == 1:
+            return x if length is None else x.narrow(dim % x.ndim, 0, length)
+        dim = dim % x.ndim
+        moved = x.movedim(dim, 0).contiguous()
+        out = moved.new_empty((self.size * moved.shape[0],) + tuple(moved.shape[1:]))
+        self.all_gather_into(out, moved, op="gather")
+        if length is not None:
+            out = out[:length]
+        return out.movedim(0, dim)
+
+    def all_gather_uneven(self, x: torch.Tensor, dim: int, sizes: list[int] | None = None) -> torch.Tensor:
+        """Concatenate tensors of different lengths along ``dim`` from all ranks (in rank order).
+
+        ``sizes`` (the length on every rank) avoids one extra small collective when known.
+        """
+        if self.size == 1:
+            return x
+        dim = dim % x.ndim
+        if sizes is None:
+            n = torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device)
+            all_n = n.new_empty(self.size)
+            self.all_gather_into(all_n, n, op="gather_sizes")
+            sizes = [int(v) for v in all_n.tolist()]
+        if len(sizes) != self.size or sizes[self.rank] != x.shape[dim]:
+            raise ValueError(f"sizes={sizes} inconsistent with group size {self.size} / local length {x.shape[dim]}")
+        m = max(sizes)
+        padded = pad_dim(x, dim, m)
+        full = self.gather(padded, dim)
+        parts = [full.narrow(dim, r * m, sizes[r]) for r in range(self.size)]
+        return torch.cat(parts, dim=dim)
+
+    # ------------------------------------------------------------------ Ulysses exchange
+    def qkv_to_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int | None = None):
+        """Sequence-shard -> head-shard for q, k and v with ONE packed all_to_all.
+
+        Input: q, k, v of shape (B, s, H, D) holding this rank's ``s`` tokens (equal on every rank)
+        and all H heads. Output: (B, L, h_r, D) each, the whole sequence for this rank's heads, where
+        ``L = seq_len`` (the padded suffix dropped) or ``size * s`` when ``seq_len`` is None.
+        q, k and v must share B, s, H and D.
+        """
+        if q.shape != k.shape or q.shape != v.shape:
+            raise ValueError(
+                f"qkv_to_heads needs q, k, v of one shape (B, S_local, H, D); got {tuple(q.shape)}, "
+                f"{tuple(k.shape)}, {tuple(v.shape)}"
+            )
+        B, s, H, D = q.shape
+        P = self.size
+        if seq_len is not None and not (0 < seq_len <= P * s and shard_length(seq_len, P) == s):
+            raise ValueError(f"seq_len={seq_len} is inconsistent with {P} shards of {s} tokens")
+        if P == 1:
+            if seq_len is not None and seq_len != s:
+                return q[:, :seq_len], k[:, :seq_len], v[:, :seq_len]
+            return q, k, v
+        heads = head_split(H, P)
+        h_me = heads[self.rank]
+        qkv = torch.stack([q, k, v], dim=0)  # (3, B, s, H, D)
+        send = torch.cat([c.reshape(-1) for c in qkv.split(heads, dim=3)])
+        unit = 3 * B * s * D
+        recv = qkv.new_empty(P * unit * h_me)
+        self.all_to_all_single(
+            recv, send, [unit * h_me] * P, [unit * h for h in heads], op="qkv_to_heads"
+        )
+        full = recv.view(P, 3, B, s, h_me, D).permute(1, 2, 0, 3, 4, 5).reshape(3, B, P * s, h_me, D)
+        if seq_len is not None and seq_len != P * s:
+            full = full[:, :, :seq_len]
+        return full[0], full[1], full[2]
+
+    def heads_to_seq(self, out: torch.Tensor, num_heads: int, shard_len: int) -> torch.Tensor:
+        """Head-shard -> sequence-shard (the inverse exchange, one all_to_all).
+
+        Input: (B, L, h_r, D) attention output for this rank's heads over L <= size * shard_len tokens.
+        Output: (B, shard_len, num_heads, D) for this rank's tokens (padded rows are zeros).
+        """
+        P = self.size
+        if P == 1:
+            return out
+        B, L, h_me, D = out.shape
+        heads = head_split(num_heads, P)
+        if h_me != heads[self.rank]:
+            raise ValueError(f"rank {self.rank} holds {h_me} heads, expected {heads[self.rank]} of {num_heads}")
+        s = shard_len
+        if L != P * s:
+            out = pad_dim(out, 1, P * s)
+        send = out.reshape(B, P, s, h_me, D).transpose(0, 1).reshape(-1)
+        unit = B * s * D
+        recv = out.new_empty(unit * num_heads)
+        self.all_to_all_single(recv, send, [unit * h for h in heads], [unit * h_me] * P, op="heads_to_seq")
+        parts = recv.split([unit * h for h in heads])
+        return torch.cat([p.view(B, s, h, D) for p, h in zip(parts, heads)], dim=2)
+
+
+def ulysses_lower_bound_bytes(batch: int, seq_len: int, heads: int, head_dim: int, degree: int,
+                              element_size: int = 4) -> int:
+    """Bytes one rank must send per self-attention under Ulysses (q, k, v out + output back).
+
+    Each rank holds S/P tokens of all heads and must end with all tokens of H/P heads: it keeps
+    1/P of its q/k/v and sends the rest, then the same for the output (4 tensors in all).
+    """
+    if degree == 1:
+        return 0
+    per_tensor = batch * seq_len * heads * head_dim * element_size / degree * (degree - 1) / degree
+    return int(math.ceil(4 * per_tensor))

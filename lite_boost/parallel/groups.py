@@ -1,0 +1,281 @@
+"""Process-group mesh (cfg x sequence) initialised from the torchrun environment.
+
+``init_mesh(config)`` reads ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` (and ``MASTER_ADDR`` /
+``MASTER_PORT`` for the default ``env://`` rendezvous), validates the requested degrees against the
+world size, picks the device from ``LOCAL_RANK`` and the backend from the device (nccl on CUDA, hccl
+on Ascend, gloo on CPU), initialises the default process group with a finite timeout unless the user
+already did, and builds the sub-groups of the mesh. Every validation happens before the first
+collective, so a bad setting fails identically and immediately on every rank.
+
+Rank layout: ``rank = cfg_rank * sequence_degree + sequence_rank``. The ranks of one sequence group
+are contiguous (the chatty all_to_all traffic stays inside a node when a node holds a whole sequence
+group); a cfg group holds the ranks with the same ``sequence_rank``.
+
+Nothing here is a process-wide singleton: the mesh is an ordinary object owned by whoever created it
+(``ParallelManager`` keeps it on the boosted model's state). The only global state touched is
+torch.distributed's own default group, which is reused when it already exists.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError, ParallelConfig
+from .comm import Communicator
+
+__all__ = ["ParallelMesh", "init_mesh", "read_torchrun_env", "default_device", "backend_for_device"]
+
+_BACKEND_FOR_DEVICE = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+_DEVICES_FOR_BACKEND = {"nccl": ("cuda",), "hccl": ("npu",), "gloo": ("cpu", "cuda")}
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int | None) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name} must be an integer, got {raw!r}") from None
+    if value < 0:
+        raise ConfigError(f"environment variable {name} must be >= 0, got {value}")
+    return value
+
+
+def read_torchrun_env(env: Mapping[str, str] | None = None) -> tuple[int, int, int]:
+    """Return ``(rank, local_rank, world_size)`` from the torchrun variables (defaults 0, 0, 1).
+
+    Raises ConfigError naming the variable when a value is malformed or inconsistent.
+    """
+    env = os.environ if env is None else env
+    world_size = _env_int(env, "WORLD_SIZE", 1)
+    rank = _env_int(env, "RANK", 0)
+    local_rank = _env_int(env, "LOCAL_RANK", rank)
+    if world_size < 1:
+        raise ConfigError(f"environment variable WORLD_SIZE must be >= 1, got {world_size}")
+    if rank >= world_size:
+        raise ConfigError(f"environment variable RANK={rank} must be < WORLD_SIZE={world_size}")
+    return rank, local_rank, world_size
+
+
+def _npu_available() -> bool:
+    try:
+        import torch_npu  # noqa: F401  (registers the "npu" device)
+    except (ImportError, RuntimeError, OSError):
+        return False
+    npu = getattr(torch, "npu", None)
+    return bool(npu is not None and npu.is_available())
+
+
+def default_device(local_rank: int) -> torch.device:
+    """The device a rank should use: ``cuda:LOCAL_RANK``, ``npu:LOCAL_RANK`` or ``cpu``."""
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        return torch.device("cuda", local_rank % count)
+    if _npu_available():
+        count = torch.npu.device_count()
+        return torch.device("npu", local_rank % count)
+    return torch.device("cpu")
+
+
+def backend_for_device(device: torch.device) -> str:
+    """nccl for CUDA, hccl for Ascend NPU, gloo for CPU."""
+    try:
+        return _BACKEND_FOR_DEVICE[device.type]
+    except KeyError:
+        raise ConfigError(
+            f"no torch.distributed backend known for device type {device.type!r}; "
+            f"supported device types: {sorted(_BACKEND_FOR_DEVICE)} (or pass ParallelConfig(backend=...))"
+        ) from None
+
+
+@dataclass(eq=False)
+class ParallelMesh:
+    """The cfg x sequence process mesh of one rank.
+
+    Attributes:
+        world_size, rank, local_rank: this process in the world.
+        cfg_degree, sequence_degree: the mesh shape (``cfg_degree * sequence_degree == world_size``).
+        cfg_rank, sequence_rank: this rank's coordinates in the mesh.
+        device, backend, timeout_s: where tensors live, which backend runs the collectives, and the
+            collective timeout.
+        sequence: Communicator over the ranks sharing this rank's sequence (Ulysses).
+        cfg: Communicator over the ranks that hold the same sequence shard of the other CFG branch.
+        world: Communicator over all ranks (latent broadcast).
+        owns_default_group: True when this mesh created the default process group (``destroy`` then
+            tears it down).
+    """
+
+    world_size: int
+    rank: int
+    local_rank: int
+    cfg_degree: int
+    sequence_degree: int
+    device: torch.device
+    backend: str | None
+    timeout_s: float
+    sequence: Communicator
+    cfg: Communicator
+    world: Communicator
+    owns_default_group: bool = False
+    _destroyed: bool = field(default=False, repr=False)
+
+    @property
+    def cfg_rank(self) -> int:
+        return self.rank // self.sequence_degree
+
+    @property
+    def sequence_rank(self) -> int:
+        return self.rank % self.sequence_degree
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    def describe(self) -> str:
+        return (
+            f"rank {self.rank}/{self.world_size} (cfg {self.cfg_rank}/{self.cfg_degree}, "
+            f"sequence {self.sequence_rank}/{self.sequence_degree}) on {self.device} via {self.backend or 'none'}"
+        )
+
+    def destroy(self) -> None:
+        """Destroy the sub-groups, and the default group when this mesh created it. Idempotent."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if not dist.is_available() or not dist.is_initialized():
+            return
+        for comm in (self.sequence, self.cfg):
+            if comm.group is not None and comm.owns_group:
+                try:
+                    dist.destroy_process_group(comm.group)
+                except Exception:  # noqa: BLE001 - best effort on teardown
+                    pass
+        if self.owns_default_group:
+            dist.destroy_process_group()
+
+
+def _mesh_ranks(cfg_degree: int, sequence_degree: int):
+    seq_groups = [list(range(c * sequence_degree, (c + 1) * sequence_degree)) for c in range(cfg_degree)]
+    cfg_groups = [[c * sequence_degree + s for c in range(cfg_degree)] for s in range(sequence_degree)]
+    return seq_groups, cfg_groups
+
+
+def init_mesh(
+    config: ParallelConfig | Mapping | None = None,
+    *,
+    init_method: str | None = None,
+    device: torch.device | str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ParallelMesh:
+    """Create the cfg x sequence mesh for this process.
+
+    Args:
+        config: ParallelConfig (or mapping); degrees default to all ranks on the sequence.
+        init_method: rendezvous URL for ``init_process_group`` (default ``env://``, i.e. the torchrun
+            variables ``MASTER_ADDR`` / ``MASTER_PORT``); e.g. ``file:///tmp/rdzv`` in tests.
+        device: override the device (default: from ``LOCAL_RANK`` and what is available).
+        env: environment mapping to read instead of ``os.environ`` (tests).
+
+    Reuses an existing default process group (its world size and rank win over the environment).
+    All validation happens before the first collective.
+    """
+    if config is None:
+        config = ParallelConfig()
+    elif isinstance(config, Mapping):
+        config = ParallelConfig.from_dict(config)
+    elif not isinstance(config, ParallelConfig):
+        raise ConfigError(f"config must be a ParallelConfig, a mapping or None, got {type(config).__name__}")
+    env = os.environ if env is None else env
+
+    already = dist.is_available() and dist.is_initialized()
+    if already:
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        local_rank = _env_int(env, "LOCAL_RANK", None)
+        if local_rank is None:
+            local_rank = rank
+    else:
+        rank, local_rank, world_size = read_torchrun_env(env)
+
+    cfg_degree, sequence_degree = config.resolve(world_size)
+
+    if device is None:
+        device = default_device(local_rank)
+    device = torch.device(device)
+    backend = config.backend
+    if already:
+        backend = dist.get_backend()
+    elif world_size > 1:
+        if backend is None:
+            backend = backend_for_device(device)
+        allowed = _DEVICES_FOR_BACKEND.get(backend, ())
+        if device.type not in allowed:
+            raise ConfigError(
+                f"backend={backend!r} cannot run collectives on device {device}; "
+                f"valid device types for {backend!r}: {list(allowed)}"
+            )
+        method = init_method or "env://"
+        if method == "env://":
+            missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not env.get(n)]
+            if missing:
+                raise ConfigError(
+                    f"WORLD_SIZE={world_size} but {', '.join(missing)} not set: launch with "
+                    "`torchrun --nproc_per_node N script.py` or pass init_method='tcp://host:port' / 'file:///path'"
+                )
+
+    timeout = datetime.timedelta(seconds=float(config.timeout_s))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif device.type == "npu":
+        torch.npu.set_device(device)
+
+    owns_default = False
+    if world_size > 1 and not already:
+        kwargs = dict(backend=backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
+                      timeout=timeout)
+        if device.type in ("cuda", "npu"):
+            kwargs["device_id"] = device
+        dist.init_process_group(**kwargs)
+        owns_default = True
+
+    world_group = dist.group.WORLD if world_size > 1 else None
+    seq_comm = Communicator(None, size=1, rank=0)
+    cfg_comm = Communicator(None, size=1, rank=0)
+    if world_size > 1:
+        seq_groups, cfg_groups = _mesh_ranks(cfg_degree, sequence_degree)
+        # Every rank creates every sub-group in the same order (new_group is collective).
+        for ranks_list, degree, is_seq in ((seq_groups, sequence_degree, True), (cfg_groups, cfg_degree, False)):
+            for ranks in ranks_list:
+                if degree == world_size:
+                    group, owns = dist.group.WORLD, False
+                elif degree == 1:
+                    group, owns = None, False
+                else:
+                    group, owns = dist.new_group(ranks, timeout=timeout), True
+                if rank in ranks and degree > 1:
+                    comm = Communicator(group, size=degree, rank=ranks.index(rank), owns_group=owns)
+                    if is_seq:
+                        seq_comm = comm
+                    else:
+                        cfg_comm = comm
+    world_comm = Communicator(world_group, size=world_size, rank=rank) if world_size > 1 else Communicator(None, 1, 0)
+    return ParallelMesh(
+        world_size=world_size,
+        rank=rank,
+        local_rank=local_rank,
+        cfg_degree=cfg_degree,
+        sequence_degree=sequence_degree,
+        device=device,
+        backend=backend if world_size > 1 else None,
+        timeout_s=float(config.timeout_s),
+        sequence=seq_comm,
+        cfg=cfg_comm,
+        world=world_comm,
+        owns_default_group=owns_default,
+    )

@@ -138,6 +138,8 @@ def _fa2_impl(q, k, v, scale):
 
 def _npu_impl(q, k, v, scale):
     torch_npu = _module_or_none("torch_npu")
+    # The documented default scale_value is 1.0 (not head_dim ** -0.5): always pass it.
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     return torch_npu.npu_prompt_flash_attention(
         q,
         k,
@@ -201,7 +203,7 @@ BACKENDS: dict[str, BackendSpec] = {
                     "FlashAttention-3 (flash_attn_interface.flash_attn_func), Hopper GPUs"),
         BackendSpec("fa2", ("cuda",), _HALF_DTYPES, 256, 8, None, True, _probe_fa2, _fa2_impl,
                     "FlashAttention-2 (flash_attn.flash_attn_func)"),
-        BackendSpec("npu", ("npu",), _HALF_DTYPES + (torch.float32,), 512, 1, 256, True, _probe_npu, _npu_impl,
+        BackendSpec("npu", ("npu",), _HALF_DTYPES, 512, 1, 256, True, _probe_npu, _npu_impl,
                     "Ascend torch_npu.npu_prompt_flash_attention, BSND, full bidirectional"),
         BackendSpec("sdpa", ("cpu", "cuda", "npu", "mps", "xpu"), _FLOAT_DTYPES, 1 << 16, 1, None, True,
                     _probe_sdpa, _sdpa_impl, "torch.nn.functional.scaled_dot_product_attention"),

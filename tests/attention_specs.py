@@ -1,0 +1,110 @@
+"""Executable specifications of the optional attention kernels' documented contracts.
+
+Each fake module implements the public signature of the real one in pure PyTorch, checks the
+arguments the documentation requires, and computes attention by the documented semantics. They
+let the argument translation of lite_boost's FA2 / FA3 / Ascend backends be tested on a CPU: a
+wrong layout, a missing scale or a forgotten ``next_tokens`` gives a wrong answer here.
+"""
+
+import importlib.machinery
+import math
+import types
+
+import torch
+
+
+def _module(name, **attrs):
+    mod = types.ModuleType(name)
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    for k, v in attrs.items():
+        setattr(mod, k, v)
+    return mod
+
+
+def reference_attention(q, k, v, scale=None, allowed=None):
+    """fp64 softmax attention on (B, S, N, D) tensors; GQA by repeating KV heads; ``allowed`` (Sq, Sk) bool."""
+    n, nk = q.shape[2], k.shape[2]
+    k = k.repeat_interleave(n // nk, dim=2)
+    v = v.repeat_interleave(n // nk, dim=2)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = torch.einsum("bqnd,bknd->bnqk", q.double(), k.double()) * scale
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("bnqk,bknd->bqnd", s.softmax(-1), v.double())
+
+
+def _check_half(*ts):
+    for t in ts:
+        if t.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"FlashAttention only supports fp16 and bf16, got {t.dtype}")
+
+
+def make_flash_attn():
+    """flash_attn 2.x: flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, ...)."""
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                        softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+        _check_half(q, k, v)
+        assert q.dim() == 4 and q.shape[-1] <= 256, "q must be (batch, seqlen, nheads, headdim<=256)"
+        assert q.shape[2] % k.shape[2] == 0, "nheads must be divisible by nheads_k"
+        assert dropout_p == 0.0
+        allowed = None
+        if causal:
+            allowed = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril(k.shape[1] - q.shape[1])
+        return reference_attention(q, k, v, softmax_scale, allowed).to(q.dtype)
+
+    return _module("flash_attn", flash_attn_func=flash_attn_func)
+
+
+def make_flash_attn_interface():
+    """FlashAttention-3: flash_attn_func(q, k, v, softmax_scale=None, causal=False, ...) -> (out, softmax_lse)."""
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
+                        v_descale=None, window_size=(-1, -1), **kwargs):
+        _check_half(q, k, v)
+        assert not causal
+        out = reference_attention(q, k, v, softmax_scale).to(q.dtype)
+        lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+        return out, lse
+
+    return _module("flash_attn_interface", flash_attn_func=flash_attn_func)
+
+
+def make_torch_npu():
+    """torch_npu.npu_prompt_flash_attention as documented (inference-only prompt flash attention)."""
+
+    def npu_prompt_flash_attention(query, key, value, *, padding_mask=None, atten_mask=None, pse_shift=None,
+                                   actual_seq_lengths=None, deq_scale1=None, quant_scale1=None, deq_scale2=None,
+                                   quant_scale2=None, quant_offset2=None, num_heads=1, scale_value=1.0,
+                                   pre_tokens=2147473647, next_tokens=0, input_layout="BSH",
+                                   num_key_value_heads=0, actual_seq_lengths_kv=None, sparse_mode=0):
+        if query.dtype not in (torch.float16, torch.bfloat16, torch.int8):
+            raise TypeError(f"query dtype must be float16, bfloat16 or int8, got {query.dtype}")
+        if input_layout not in ("BSH", "BSND", "BNSD"):
+            raise ValueError(f"input_layout must be BSH, BSND or BNSD, got {input_layout}")
+        if input_layout == "BSH":
+            q = query.unflatten(-1, (num_heads, -1))
+            kvh = num_key_value_heads or num_heads
+            k, v = key.unflatten(-1, (kvh, -1)), value.unflatten(-1, (kvh, -1))
+        elif input_layout == "BNSD":
+            q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        else:
+            q, k, v = query, key, value
+        if q.shape[2] != num_heads:
+            raise ValueError(f"num_heads={num_heads} does not match the query's {q.shape[2]} heads")
+        kvh = num_key_value_heads or num_heads
+        if k.shape[2] != kvh or num_heads % kvh:
+            raise ValueError(f"num_key_value_heads={num_key_value_heads} does not match key heads {k.shape[2]}")
+        if q.shape[-1] > 512 or num_heads > 256:
+            raise ValueError("D must be <= 512 and N <= 256")
+        if sparse_mode != 0 or atten_mask is not None:
+            raise NotImplementedError("spec covers sparse_mode=0 without a mask")
+        i = torch.arange(q.shape[1])[:, None]
+        j = torch.arange(k.shape[1])[None, :]
+        allowed = (j >= i - pre_tokens) & (j <= i + next_tokens)  # sparse_mode 0: band from pre/next tokens
+        out = reference_attention(q, k, v, scale_value, allowed).to(query.dtype)
+        if input_layout == "BSH":
+            return out.flatten(2)
+        return out.transpose(1, 2) if input_layout == "BNSD" else out
+
+    return _module("torch_npu", npu_prompt_flash_attention=npu_prompt_flash_attention)

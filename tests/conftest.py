@@ -1,0 +1,31 @@
+"""Shared test setup: offline hub, deterministic threads, tiny Wan pipeline call helpers."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+def pipeline_kwargs(kind: str, *, height=32, width=48, num_frames=5, steps=2, seed=0, output_type="latent"):
+    """Arguments of one tiny pipeline call (CFG on) with a fixed generator."""
+    kw = dict(prompt="a red fox runs through fresh snow", negative_prompt="blurry low quality", height=height,
+              width=width, num_frames=num_frames, num_inference_steps=steps, guidance_scale=5.0,
+              generator=torch.Generator().manual_seed(seed), output_type=output_type)
+    if kind == "i2v":
+        import PIL.Image
+
+        rng = np.random.RandomState(seed)
+        kw["image"] = PIL.Image.fromarray((rng.rand(height, width, 3) * 255).astype("uint8"))
+        kw["max_sequence_length"] = 512
+    return kw
+
+
+@pytest.fixture
+def tiny_kwargs():
+    return pipeline_kwargs

@@ -159,10 +159,14 @@ def rotate(x: torch.Tensor, freqs: torch.Tensor, *, inplace: bool = False) -> to
         return x
     seq = x.shape[1]
     per_token = max(1, x.numel() // max(seq, 1))
-    chunk = max(1, _CHUNK_BYTES // (4 * per_token))
+    chunk = min(seq, max(1, _CHUNK_BYTES // (4 * per_token)))
+    # One scratch buffer per call, reused by every chunk: a fresh multi-MB allocation per chunk can
+    # page-fault on every call once the allocator has trimmed its heap.
+    scratch = torch.empty((x.shape[0], chunk) + tuple(x.shape[2:]), dtype=torch.float32, device=x.device)
     for s0 in range(0, seq, chunk):
         xs = x[:, s0 : s0 + chunk]
-        xf = xs.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        xf = scratch[:, : xs.shape[1]]
+        xf.copy_(xs)
         torch.view_as_complex(xf.view(*xf.shape[:-1], half, 2)).mul_(freqs[:, s0 : s0 + chunk])
         xs.copy_(xf)
     return x

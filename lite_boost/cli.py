@@ -1,0 +1,341 @@
+"""``lite-boost`` command line: ``generate`` a video (stock vs boosted timing) and ``env``.
+
+    lite-boost generate                       # built-in tiny random-weight Wan T2V on the CPU, no download
+    lite-boost generate --image cat.png       # image-to-video
+    lite-boost generate --model /path/Wan2.1-T2V-1.3B-Diffusers --height 480 --width 832 --num-frames 81
+    lite-boost generate --nproc 2             # same under torchrun, Ulysses sequence parallel
+    lite-boost env                            # versions, devices, usable attention backends
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["main", "build_parser", "write_video"]
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lite-boost", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a video with a boosted Wan pipeline and time it against stock")
+    gen.add_argument("--model", default=None, help="diffusers folder of a Wan pipeline (default: built-in tiny model)")
+    gen.add_argument("--image", default=None, help="conditioning image: image-to-video")
+    gen.add_argument("--prompt", default=None)
+    gen.add_argument("--negative-prompt", default=None)
+    gen.add_argument("--height", type=int, default=None, help="default 480 for --model, 64 for the tiny model")
+    gen.add_argument("--width", type=int, default=None, help="default 832 for --model, 96 for the tiny model")
+    gen.add_argument("--num-frames", type=int, default=None, help="4k+1 frames (default 81 / 9)")
+    gen.add_argument("--steps", type=int, default=None, help="denoising steps (default 50 / 4)")
+    gen.add_argument("--guidance-scale", type=float, default=5.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default bfloat16 on GPU/NPU, float32 on CPU")
+    gen.add_argument("--device", default=None, help="cpu, cuda, npu (default: the accelerator if present)")
+    gen.add_argument("--attention-backend", default=None, choices=["fa3", "fa2", "npu", "sdpa"])
+    gen.add_argument("--sparsity", type=float, default=0.0, help="block-sparse self-attention sparsity in [0, 1)")
+    gen.add_argument("--config", default=None, help="YAML BoostConfig (overrides the flags above)")
+    gen.add_argument("--nproc", type=int, default=1, help="processes to launch with torchrun (one per device)")
+    gen.add_argument("--sequence-degree", type=int, default=None, help="Ulysses degree (default: nproc / cfg degree)")
+    gen.add_argument("--cfg-degree", type=int, default=1, choices=[1, 2])
+    gen.add_argument("--no-compare", action="store_true", help="skip the stock diffusers run")
+    gen.add_argument("--warmup", type=int, default=1,
+                     help="untimed one-step runs (latent output) before each timed run, to exclude one-time costs")
+    gen.add_argument("--output", default=None, help="video path (default outputs/lite_boost_<t2v|i2v>.mp4)")
+    gen.add_argument("--fps", type=int, default=16)
+    gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    gen.add_argument("-v", "--verbose", action="store_true", help="log backend choices")
+
+    sub.add_parser("env", help="print versions, devices and attention backends")
+    return parser
+
+
+# ----------------------------------------------------------------------------------------------- #
+# env                                                                                              #
+# ----------------------------------------------------------------------------------------------- #
+
+
+def _version(module: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(module)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def env_report() -> str:
+    import torch
+
+    import lite_boost
+    from lite_boost.ops.attention import backend_report
+
+    lines = ["## lite_boost environment", "",
+             f"- lite_boost {lite_boost.__version__}, Python {platform.python_version()} ({platform.machine()})"]
+    for pkg in ("torch", "diffusers", "transformers", "accelerate", "flash-attn", "flash_attn_3", "torch-npu",
+                "imageio", "imageio-ffmpeg"):
+        lines.append(f"- {pkg}: {_version(pkg)}")
+    lines += ["", "### devices", f"- cpu: {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            cap = torch.cuda.get_device_capability(i)
+            lines.append(f"- cuda:{i}: {torch.cuda.get_device_name(i)} (sm{cap[0]}{cap[1]})")
+    else:
+        lines.append("- cuda: not available")
+    npu = getattr(torch, "npu", None)
+    lines.append(f"- npu: {npu.device_count()} device(s)" if npu is not None and npu.is_available()
+                 else "- npu: not available (torch_npu not imported or no device)")
+    lines += ["", "### dense attention backends (auto order fa3 -> fa2 -> npu -> sdpa)",
+              "| backend | status | detail |", "|---|---|---|"]
+    lines += [f"| {n} | {s} | {d} |" for n, s, d in backend_report()]
+    try:  # sparse kernels (optional module of lite_boost.ops)
+        from lite_boost.ops import rain_fusion
+
+        report = getattr(rain_fusion, "backend_report", None)
+        if report is not None:
+            lines += ["", "### block-sparse attention backends", "| backend | status | detail |", "|---|---|---|"]
+            lines += [f"| {n} | {s} | {d} |" for n, s, d in report()]
+    except ImportError as exc:
+        lines += ["", f"block-sparse attention: unavailable ({exc})"]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- #
+# generate                                                                                         #
+# ----------------------------------------------------------------------------------------------- #
+
+
+def write_video(frames, path: str | os.PathLike, fps: int = 16) -> tuple[Path, str]:
+    """Write (T, H, W, 3) frames in [0, 1]; mp4 with imageio-ffmpeg, else GIF (Pillow), else .npy.
+
+    Returns the path written and the format used.
+    """
+    import numpy as np
+
+    arr = np.asarray(frames)
+    if arr.ndim == 5:
+        arr = arr[0]
+    arr8 = (np.clip(arr, 0.0, 1.0) * 255).round().astype(np.uint8)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import imageio.v2 as imageio
+        import imageio_ffmpeg  # noqa: F401
+
+        out = path.with_suffix(".mp4")
+        with imageio.get_writer(str(out), fps=fps, codec="libx264", macro_block_size=1, quality=8) as writer:
+            for frame in arr8:
+                writer.append_data(frame)
+        return out, "mp4 (imageio-ffmpeg)"
+    except Exception:  # noqa: BLE001 - missing package or codec: fall back to GIF
+        pass
+    try:
+        from PIL import Image
+
+        out = path.with_suffix(".gif")
+        images = [Image.fromarray(f) for f in arr8]
+        images[0].save(out, save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0)
+        return out, "animated GIF (Pillow; install lite-boost[video] for mp4)"
+    except Exception:  # noqa: BLE001
+        out = path.with_suffix(".npy")
+        np.save(out, arr8)
+        return out, "numpy .npy (no imageio-ffmpeg or Pillow)"
+
+
+def _torchrun_command(args, argv: list[str]) -> list[str]:
+    rest, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        rest.append(a)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+            "-m", "lite_boost.cli", *rest]
+
+
+def _validate_generate(args) -> None:
+    def bad(name, value, allowed):
+        raise SystemExit(f"lite-boost generate: {name} must be {allowed}, got {value!r}")
+
+    if args.nproc < 1:
+        bad("--nproc", args.nproc, "a positive integer")
+    if not 0.0 <= args.sparsity < 1.0:
+        bad("--sparsity", args.sparsity, "in [0, 1)")
+    for name in ("height", "width"):
+        v = getattr(args, name)
+        if v is not None and (v <= 0 or v % 16):
+            bad(f"--{name}", v, "a positive multiple of 16")
+    if args.num_frames is not None and (args.num_frames < 1 or (args.num_frames - 1) % 4):
+        bad("--num-frames", args.num_frames, "4k + 1 (1, 5, 9, ..., 81)")
+    if args.warmup < 0:
+        bad("--warmup", args.warmup, "a non-negative integer")
+    if args.steps is not None and args.steps < 1:
+        bad("--steps", args.steps, "a positive integer")
+    if args.image is not None and not Path(args.image).is_file():
+        bad("--image", args.image, "an existing image file")
+    if args.model is not None and not Path(args.model, "model_index.json").is_file():
+        bad("--model", args.model, "a diffusers pipeline folder (with model_index.json)")
+    if args.config is not None and not Path(args.config).is_file():
+        bad("--config", args.config, "an existing YAML file")
+
+
+def _boost_config(args):
+    from lite_boost.config import BoostConfig, ParallelConfig, SparseConfig
+
+    if args.config:
+        return BoostConfig.from_yaml(args.config)
+    sparse = SparseConfig(sparsity=args.sparsity) if args.sparsity > 0 else None
+    parallel = ParallelConfig(sequence_degree=args.sequence_degree, cfg_degree=args.cfg_degree)
+    return BoostConfig(attention_backend=args.attention_backend, sparse=sparse, parallel=parallel)
+
+
+def _load_pipeline(args, kind, device, dtype):
+    import torch
+
+    if args.model is None:
+        from lite_boost.demo import tiny_wan_pipeline
+
+        pipe = tiny_wan_pipeline(kind, dtype=dtype)
+    else:
+        from diffusers import DiffusionPipeline
+
+        pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=dtype)
+        if getattr(pipe, "vae", None) is not None:
+            pipe.vae.to(torch.float32)  # Wan's VAE is run in fp32 by diffusers' examples
+    pipe.to(device)
+    return pipe
+
+
+def _call_kwargs(args, kind, tiny: bool):
+    import torch
+    from lite_boost.demo import DEMO_NEGATIVE_PROMPT, DEMO_PROMPT
+
+    kw = dict(
+        prompt=args.prompt or DEMO_PROMPT,
+        negative_prompt=args.negative_prompt if args.negative_prompt is not None else DEMO_NEGATIVE_PROMPT,
+        height=args.height or (64 if tiny else 480),
+        width=args.width or (96 if tiny else 832),
+        num_frames=args.num_frames or (9 if tiny else 81),
+        num_inference_steps=args.steps or (4 if tiny else 50),
+        guidance_scale=args.guidance_scale,
+        output_type="np",
+    )
+    if kind == "i2v":
+        from PIL import Image
+
+        kw["image"] = Image.open(args.image).convert("RGB").resize((kw["width"], kw["height"]))
+        kw["max_sequence_length"] = 512
+    kw["_seed"] = args.seed
+    return kw
+
+
+def _run(pipe, kw, device_type, warmup: int = 0):
+    import torch
+
+    from lite_boost.timing import PhaseTimer
+
+    kw = dict(kw)
+    seed = kw.pop("_seed")
+    for _ in range(warmup):
+        with torch.inference_mode():
+            pipe(**{**kw, "num_inference_steps": 1, "output_type": "latent",
+                    "generator": torch.Generator(device="cpu").manual_seed(seed)})
+    kw["generator"] = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.inference_mode(), PhaseTimer(pipe, device_type) as timer:
+        frames = pipe(**kw, callback_on_step_end=timer.callback).frames
+    return frames, timer.times
+
+
+def generate(args, argv: list[str]) -> int:
+    _validate_generate(args)
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        if shutil.which("torchrun") is None and sys.executable is None:
+            raise SystemExit("lite-boost generate: --nproc needs torch.distributed.run (torchrun)")
+        cmd = _torchrun_command(args, argv)
+        print("launching:", " ".join(cmd), flush=True)
+        return subprocess.call(cmd)
+
+    import numpy as np
+    import torch
+
+    import lite_boost
+    from lite_boost.timing import format_timing_table
+
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    config = _boost_config(args)
+    if args.device:
+        device = torch.device(args.device)
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    elif getattr(torch, "npu", None) is not None and torch.npu.is_available():
+        device = torch.device("npu", int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        device = torch.device("cpu")
+    dtype_name = _DTYPES[args.dtype] if args.dtype else ("float32" if device.type == "cpu" else "bfloat16")
+    dtype = getattr(torch, dtype_name)
+    kind = "i2v" if args.image else "t2v"
+    pipe = _load_pipeline(args, kind, device, dtype)
+    pipe.set_progress_bar_config(disable=rank != 0)
+    kw = _call_kwargs(args, kind, tiny=args.model is None)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"lite-boost generate: {kind}, {'tiny built-in Wan' if args.model is None else args.model}, "
+        f"{kw['height']}x{kw['width']}, {kw['num_frames']} frames, {kw['num_inference_steps']} steps, "
+        f"{device}, {dtype_name}, {world} process(es)")
+
+    rows = {}
+    stock_frames = None
+    if not args.no_compare and rank == 0:
+        say("stock diffusers run ...")
+        stock_frames, rows["stock"] = _run(pipe, kw, device.type, args.warmup)
+    if world > 1:
+        from lite_boost.parallel import ParallelManager
+
+        ParallelManager(pipe, config)
+    else:
+        lite_boost.boost(pipe, config)
+    say("boosted run ...")
+    frames, rows["boosted"] = _run(pipe, kw, device.type, args.warmup)
+    if rank != 0:
+        return 0
+    path = args.output or f"outputs/lite_boost_{kind}.mp4"
+    written, fmt = write_video(frames, path, fps=args.fps)
+    print(f"\nwrote {written} [{fmt}]")
+    print()
+    print(format_timing_table(rows))
+    if stock_frames is not None:
+        diff = float(np.abs(np.asarray(frames, dtype=np.float64) - np.asarray(stock_frames, dtype=np.float64)).max())
+        print(f"\nmax |boosted - stock| over the video (values in [0, 1]): {diff:.2e}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.command == "env":
+        print(env_report())
+        return 0
+    return generate(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Phase timing of one diffusers video pipeline call: text encode, denoise steps, VAE decode.
+
+``PhaseTimer(pipe)`` wraps ``pipe.encode_prompt`` and ``pipe.vae.decode`` on the instance for the
+duration of a ``with`` block and records step boundaries through ``callback_on_step_end``; the
+wrappers are removed on exit, so the pipeline is left exactly as it was.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["PhaseTimes", "PhaseTimer", "format_timing_table"]
+
+
+def _sync(device_type: str | None) -> None:
+    if device_type == "cuda" and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    elif device_type == "npu" and hasattr(torch, "npu"):
+        torch.npu.synchronize()  # type: ignore[attr-defined]
+
+
+@dataclass
+class PhaseTimes:
+    text_encode_s: float = 0.0
+    step_s: list[float] = field(default_factory=list)
+    vae_decode_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def denoise_s(self) -> float:
+        return sum(self.step_s)
+
+    @property
+    def step_median_s(self) -> float:
+        return statistics.median(self.step_s) if self.step_s else 0.0
+
+
+class PhaseTimer:
+    """Context manager timing the phases of pipeline calls made inside it.
+
+    Pass ``timer.callback`` as ``callback_on_step_end`` to the pipeline call.
+    """
+
+    def __init__(self, pipe, device_type: str | None = None):
+        self.pipe = pipe
+        self.device_type = device_type
+        self.times = PhaseTimes()
+        self._patched: list[tuple[object, str]] = []
+        self._mark = 0.0
+
+    def _wrap(self, owner, name: str, attr: str):
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            _sync(self.device_type)
+            t0 = time.perf_counter()
+            out = original(*args, **kwargs)
+            _sync(self.device_type)
+            setattr(self.times, attr, getattr(self.times, attr) + time.perf_counter() - t0)
+            if attr == "text_encode_s":
+                self._mark = time.perf_counter()  # denoising starts after the prompt is encoded
+            return out
+
+        setattr(owner, name, timed)
+        self._patched.append((owner, name))
+
+    def __enter__(self) -> "PhaseTimer":
+        self._wrap(self.pipe, "encode_prompt", "text_encode_s")
+        if getattr(self.pipe, "vae", None) is not None:
+            self._wrap(self.pipe.vae, "decode", "vae_decode_s")
+        self._start = time.perf_counter()
+        self._mark = self._start
+        return self
+
+    def callback(self, pipe, step, timestep, callback_kwargs):
+        _sync(self.device_type)
+        now = time.perf_counter()
+        self.times.step_s.append(now - self._mark)
+        self._mark = now
+        return {}
+
+    def __exit__(self, *exc) -> None:
+        _sync(self.device_type)
+        self.times.total_s = time.perf_counter() - self._start
+        for owner, name in reversed(self._patched):
+            if name in owner.__dict__:
+                delattr(owner, name)
+        self._patched.clear()
+
+
+def format_timing_table(rows: dict[str, PhaseTimes]) -> str:
+    """Markdown table: one column per run (e.g. "stock", "boosted"), plus speed-up vs the first."""
+    names = list(rows)
+    base = rows[names[0]]
+    lines = ["| phase | " + " | ".join(names) + (" | speed-up |" if len(names) > 1 else " |"),
+             "|---|" + "---:|" * len(names) + ("---:|" if len(names) > 1 else "")]
+
+    def line(label, get):
+        vals = [get(rows[n]) for n in names]
+        cells = " | ".join(f"{v:.3f} s" for v in vals)
+        speed = ""
+        if len(names) > 1:
+            speed = f" | {get(base) / vals[-1]:.2f}x" if vals[-1] > 0 else " | -"
+        return f"| {label} | {cells}{speed} |"
+
+    lines.append(line("text encode", lambda t: t.text_encode_s))
+    lines.append(line(f"denoise per step (median of {len(base.step_s)})", lambda t: t.step_median_s))
+    lines.append(line("denoise total", lambda t: t.denoise_s))
+    lines.append(line("VAE decode", lambda t: t.vae_decode_s))
+    lines.append(line("total", lambda t: t.total_s))
+    return "\n".join(lines)

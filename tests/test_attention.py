@@ -163,3 +163,16 @@ def test_available_backends_and_report():
     rows = dict((n, (s, d)) for n, s, d in A.backend_report())
     assert rows["sdpa"][0] == "installed"
     assert set(rows) == {"fa3", "fa2", "npu", "sdpa"}
+
+
+def test_import_is_light_and_never_touches_optional_packages():
+    import subprocess
+
+    code = (
+        "import sys, lite_boost, lite_boost.ops, lite_boost.config\n"
+        "bad = [m for m in ('flash_attn', 'flash_attn_interface', 'torch_npu', 'diffusers') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -1,0 +1,150 @@
+"""Block-sparse self-attention for boosted Wan transformers.
+
+``install_sparse`` replaces each self-attention processor's ``attn_fn`` by a
+:class:`SparseWanAttention` (cross-attention never calls ``attn_fn`` and stays dense) and adds a
+forward pre-hook on the transformer that records, before every call, the latent token grid
+(from the patch grid of ``hidden_states``) and the denoising step (:class:`~lite_boost.schedule.StepTracker`).
+Each self-attention call then asks the :class:`~lite_boost.schedule.SparseSchedule` whether to run
+dense, reuses its block mask while ``mask_reuse_steps`` allows (one mask per layer and CFG branch),
+and otherwise runs ``lite_boost.ops.sparse_attention``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import SparseConfig
+from ..ops.sparse import BlockSelection, SparseStats, sparse_attention
+from ..schedule import SparseSchedule, StepTracker
+
+__all__ = ["SparseWanState", "SparseWanAttention", "install_sparse", "uninstall_sparse", "attach_pipeline",
+           "STATE_KEY"]
+
+logger = logging.getLogger("lite_boost.models.wan")
+
+STATE_KEY = "sparse"
+
+
+@dataclass
+class SparseEvent:
+    """One self-attention call: what ran and why (kept for the last generation only)."""
+
+    generation: int
+    step: int
+    call: int
+    layer: int
+    path: str  # "sparse" or "dense"
+    reason: str
+    reused: bool = False
+    effective_sparsity: float = 0.0
+
+
+@dataclass
+class SparseWanState:
+    """Sparse-attention state of one boosted Wan transformer (in ``WanBoostState.extras['sparse']``)."""
+
+    config: SparseConfig
+    schedule: SparseSchedule
+    tracker: StepTracker = field(default_factory=StepTracker)
+    grid: tuple[int, int, int] | None = None
+    masks: dict = field(default_factory=dict)  # (layer, call) -> (step computed, BlockSelection)
+    events: list = field(default_factory=list)  # SparseEvent of the current generation
+    hook: object = None
+    record_events: bool = True
+
+    def pre_forward(self, module, args, kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
+        p_t, p_h, p_w = module.config.patch_size
+        _, _, f, h, w = hidden.shape
+        self.grid = (f // p_t, h // p_h, w // p_w)
+        previous = self.tracker.generation
+        self.tracker.observe(timestep if timestep is not None else 0)
+        if self.tracker.generation != previous:
+            self.masks.clear()
+            self.events.clear()
+
+    def mean_effective_sparsity(self) -> float:
+        """Average effective sparsity over the recorded self-attention calls (dense calls count as 0)."""
+        if not self.events:
+            return 0.0
+        return sum(e.effective_sparsity for e in self.events) / len(self.events)
+
+
+class SparseWanAttention:
+    """``attn_fn`` of one Wan self-attention layer: (B, S, H, D) -> (B, S, H, D)."""
+
+    def __init__(self, layer_idx: int, state: SparseWanState, dense_fn):
+        self.layer_idx = layer_idx
+        self.state = state
+        self.dense_fn = dense_fn
+
+    def __repr__(self) -> str:
+        c = self.state.config
+        return f"SparseWanAttention(layer={self.layer_idx}, {c.sparse_type}, sparsity={c.sparsity}, dense={self.dense_fn!r})"
+
+    def _record(self, path, reason, reused=False, eff=0.0):
+        st = self.state
+        if st.record_events:
+            st.events.append(SparseEvent(st.tracker.generation, st.tracker.step, st.tracker.call, self.layer_idx,
+                                         path, reason, reused, eff))
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        st, cfg = self.state, self.state.config
+        tr = st.tracker
+        why = st.schedule.dense_reason(tr.step, tr.total, self.layer_idx)
+        grid = st.grid
+        if why is None and (grid is None or math.prod(grid) != q.shape[1] or k.shape[1] != q.shape[1]):
+            why = f"sequence length {q.shape[1]} does not match the latent grid {grid}"
+        if why is not None:
+            self._record("dense", why)
+            return self.dense_fn(q, k, v)
+        key = (self.layer_idx, tr.call)
+        cached = st.masks.get(key)
+        selection = None
+        if cached is not None and st.schedule.reuse(tr.step, cached[0]):
+            sel: BlockSelection = cached[1]
+            if sel.signature[:5] == (q.shape[0], q.shape[2], k.shape[2], q.shape[1], k.shape[1]) and sel.signature[6] == grid:
+                selection = sel
+        out, stats = sparse_attention(
+            q, k, v, head_num=q.shape[2], input_layout="BSND", sparse_type=cfg.sparse_type,
+            block_size=cfg.block_size, latent_shape_q=grid, keep_sink=cfg.keep_sink, keep_recent=cfg.keep_recent,
+            cdf_threshold=cfg.cdf_threshold, sparsity=cfg.sparsity, window=cfg.window,
+            min_seq_len=cfg.min_seq_len, selection=selection, return_stats=True,
+        )
+        stats: SparseStats
+        if stats.selection is not None and selection is None:
+            st.masks[key] = (tr.step, stats.selection)
+        self._record(stats.path, stats.reason, stats.reused, stats.effective_sparsity)
+        return out
+
+
+def install_sparse(transformer, boost_state) -> None:
+    """Route self-attention of a boosted Wan transformer through sparse_attention if configured."""
+    cfg = boost_state.config.sparse
+    if cfg is None or cfg.sparse_type is None:
+        return
+    state = SparseWanState(cfg, SparseSchedule(cfg))
+    for proc in boost_state.self_attention_processors:
+        proc.attn_fn = SparseWanAttention(proc.layer_idx, state, proc.attn_fn)
+    state.hook = transformer.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
+    boost_state.extras[STATE_KEY] = state
+
+
+def uninstall_sparse(transformer, boost_state) -> None:
+    """Remove the pre-hook (processors are restored by unboost)."""
+    state = boost_state.extras.pop(STATE_KEY, None)
+    if state is not None and state.hook is not None:
+        state.hook.remove()
+
+
+def attach_pipeline(transformer, pipeline) -> None:
+    """Let the transformer's step tracker follow ``pipeline.scheduler`` (dense_steps_last needs the total)."""
+    boost_state = getattr(transformer, "_lite_boost", None)
+    state = boost_state.extras.get(STATE_KEY) if boost_state is not None else None
+    if state is not None:
+        state.tracker.attach(pipeline)

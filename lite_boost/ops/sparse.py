@@ -1,0 +1,360 @@
+"""``sparse_attention``: dense attention or RainFusion 2.0 ("rf_v2") block-sparse attention.
+
+The rf_v2 path, per call:
+
+1. reorder the tokens so each block of ``block_size`` tokens is a compact piece of the
+   (t, h, w) latent grid (see :mod:`._sparse_layout`; text tokens move behind the video);
+2. mean-pool Q and K per block (fp32, valid tokens only) and score block pairs (fp32 softmax);
+3. per batch element and head, keep exactly ``ceil((1 - sparsity) * kv_blocks)`` KV blocks per
+   query block (forced blocks included; ties never over-select); blocks holding text or, with
+   ``keep_sink``, first-frame tokens are forced on in both directions (every query attends to
+   them, their queries attend to everything); ``keep_recent`` forces each query block's own
+   (diagonal) KV block;
+4. run :func:`rain_fusion_attention` on the reordered tensors and undo the reordering.
+
+Heads are processed in groups so that the reordered copies stay a small fraction of the inputs.
+A computed :class:`BlockSelection` can be returned (``return_stats=True``) and passed back
+(``selection=``) to reuse a mask across denoising steps.
+
+Improvements over the reference implementation, each selectable: real (t, h, w) windows with exact
+handling of grids the window does not divide (``window=(wt, wh, ww)``; ``None`` = the reference
+8x8 order, ``"raster"`` = no reordering); one mask per batch element; ``latent_shape_k`` honoured;
+text blocks found per token, so a video length that is not a multiple of the block size cannot
+misalign them; a dense fallback below ``min_seq_len``; the effective sparsity reported.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import rain_fusion as _rf
+from ._sparse_layout import token_order
+from ._sparse_mask import forced_blocks, pool_blocks, select_blocks
+
+__all__ = ["sparse_attention", "SparseStats", "BlockSelection", "SPARSE_TYPES", "INPUT_LAYOUTS"]
+
+SPARSE_TYPES = (None, "rf_v2")
+INPUT_LAYOUTS = ("BNSD", "BSND", "BSH")
+_EXTRAS = ("window", "min_seq_len", "selection", "return_stats", "backend", "head_chunk")
+_MEMORY_FRACTION = 0.125  # reordered copies (q, k, v, out) per head group, relative to the inputs
+
+
+@dataclass(frozen=True)
+class BlockSelection:
+    """A block mask computed by rf_v2, reusable for later calls with the same shapes.
+
+    select_idx (B * q_blocks, N, M) int64 and select_num (B * q_blocks, N) int64 follow the
+    rain_fusion_attention contract, in the reordered token order described by ``signature``.
+    """
+
+    select_idx: torch.Tensor
+    select_num: torch.Tensor
+    signature: tuple
+
+
+@dataclass(frozen=True)
+class SparseStats:
+    """What one sparse_attention call did.
+
+    path: "sparse" or "dense"; reason: why (e.g. "sparse_type=None", "seq_len < min_seq_len");
+    backend: rain_fusion backend used (None on the dense path); sparsity: requested;
+    effective_sparsity: fraction of (query, key) token pairs skipped, over batch and heads
+    (forced rows and columns included); q_blocks / kv_blocks per batch element; selection: the
+    mask (reusable via ``selection=``), None on the dense path; reused: the mask came from
+    ``selection=``.
+    """
+
+    path: str
+    reason: str
+    backend: str | None
+    sparsity: float
+    effective_sparsity: float
+    q_blocks: int = 0
+    kv_blocks: int = 0
+    selection: BlockSelection | None = None
+    reused: bool = False
+
+
+# --------------------------------------------------------------------------------------------- #
+# Validation                                                                                     #
+# --------------------------------------------------------------------------------------------- #
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_shape3(name, value):
+    if value is None:
+        return None
+    if isinstance(value, torch.Size):
+        value = tuple(value)
+    if not isinstance(value, (tuple, list)) or len(value) != 3 or not all(_is_int(x) and x > 0 for x in value):
+        raise ValueError(f"{name} must be None or three positive ints (t, h, w), got {value!r}")
+    return tuple(int(x) for x in value)
+
+
+def _to_bnsd(q, k, v, layout, head_num):
+    """Validate tensors for ``layout`` and return BNSD views plus a function mapping BNSD output back."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not _is_int(head_num) or head_num < 1:
+        raise ValueError(f"head_num must be a positive int, got {head_num!r}")
+    rank = 3 if layout == "BSH" else 4
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != rank:
+            raise ValueError(f"{name} must be rank {rank} for input_layout={layout!r}, got shape {tuple(t.shape)}")
+    if layout == "BSH":
+        if q.shape[-1] % head_num:
+            raise ValueError(f"head_num={head_num} does not divide the hidden size {q.shape[-1]} of q (layout BSH)")
+        d = q.shape[-1] // head_num
+        if k.shape[-1] % d or v.shape[-1] % d:
+            raise ValueError(f"k/v hidden sizes {k.shape[-1]}, {v.shape[-1]} are not multiples of head_dim {d} (layout BSH)")
+        q4, k4, v4 = (t.unflatten(-1, (-1, d)).transpose(1, 2) for t in (q, k, v))
+    elif layout == "BSND":
+        q4, k4, v4 = (t.transpose(1, 2) for t in (q, k, v))
+    else:
+        q4, k4, v4 = q, k, v
+    if q4.shape[1] != head_num:
+        raise ValueError(
+            f"head_num={head_num} is inconsistent with q, which has {q4.shape[1]} heads in layout {layout} "
+            f"(shape {tuple(q.shape)})"
+        )
+    if not (q4.shape[0] == k4.shape[0] == v4.shape[0]):
+        raise ValueError(f"q, k and v must share the batch size, got {q4.shape[0]}, {k4.shape[0]}, {v4.shape[0]}")
+    if k4.shape[:3] != v4.shape[:3]:
+        raise ValueError(f"k and v must have the same batch, heads and length, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q4.shape[-1] != k4.shape[-1]:
+        raise ValueError(f"q and k head dims differ: {q4.shape[-1]} vs {k4.shape[-1]}")
+    if q4.shape[1] % k4.shape[1]:
+        raise ValueError(f"query heads ({q4.shape[1]}) must be a multiple of key/value heads ({k4.shape[1]})")
+
+    def back(out4):
+        if layout == "BNSD":
+            return out4
+        out = out4.transpose(1, 2)
+        return out.flatten(2) if layout == "BSH" else out
+
+    return q4, k4, v4, back
+
+
+def _check_float(name, value, lo, hi, lo_open=False, hi_open=False):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
+    if not ok:
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
+    return float(value)
+
+
+# --------------------------------------------------------------------------------------------- #
+# Paths                                                                                          #
+# --------------------------------------------------------------------------------------------- #
+
+
+def _dense(q4, k4, v4, scale, attn_mask, is_causal):
+    if attn_mask is None and not is_causal:
+        from .attention import attention
+
+        return attention(q4, k4, v4, layout="BNSD", scale=scale)
+    gqa = {"enable_gqa": True} if q4.shape[1] != k4.shape[1] else {}
+    return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **gqa)
+
+
+def _head_chunk(n2: int, requested) -> int:
+    if requested is not None:
+        return requested
+    target = max(1, int(n2 * _MEMORY_FRACTION))
+    return max(c for c in range(1, target + 1) if n2 % c == 0)
+
+
+def sparse_attention(q, k, v, attn_mask=None, scale=None, is_causal=False, head_num=1, input_layout="BNSD",
+                     inner_precise=0, sparse_type=None, txt_len=0, block_size=128, latent_shape_q=None,
+                     latent_shape_k=None, keep_sink=True, keep_recent=True, cdf_threshold=1.0, sparsity=0.0,
+                     **extras: Any):
+    """Attention over (q, k, v), dense or RainFusion 2.0 block-sparse.
+
+    Args:
+        q, k, v: "BNSD" (B, N, S, D), "BSND" (B, S, N, D) or "BSH" (B, S, N * D) per
+            ``input_layout``; k/v may have fewer heads (GQA) and, with ``latent_shape_k``, another
+            length. float32/float16/bfloat16 on the sparse path.
+        attn_mask, is_causal: dense path only (passed to PyTorch SDPA).
+        scale: softmax scale, None = head_dim ** -0.5.
+        head_num: query heads; must match the tensors.
+        inner_precise: 0 = fp32 softmax, 1 = fp16 softmax (Ascend only; CPU/CUDA always fp32).
+        sparse_type: None = dense attention (``lite_boost.ops.attention``), "rf_v2" = block-sparse.
+        txt_len: text tokens at the start of q and k (kept dense, moved behind the video).
+        block_size: tokens per block (query and key).
+        latent_shape_q, latent_shape_k: (t, h, w) video grids of q and k (product = sequence
+            length minus ``txt_len``). ``latent_shape_k`` None = same as q.
+        keep_sink: force first-frame blocks on in both directions (grids with t > 1).
+        keep_recent: force each query block's diagonal KV block.
+        cdf_threshold: in (0, 1]; below 1 a row keeps fewer blocks once they hold this fraction
+            of its pooled attention mass (never more than the sparsity budget).
+        sparsity: fraction of KV blocks skipped per query block, in [0, 1).
+        **extras: ``window`` ((wt, wh, ww) with volume block_size, None = reference 8x8 order,
+            "raster"); ``min_seq_len`` (dense below this query length, default 0);
+            ``selection`` (a BlockSelection to reuse); ``return_stats`` (also return a
+            SparseStats); ``backend`` (rain_fusion backend); ``head_chunk`` (KV heads per group).
+
+    Returns:
+        The attention output in the input layout and dtype, or ``(out, SparseStats)`` with
+        ``return_stats=True``.
+    """
+    unknown = sorted(set(extras) - set(_EXTRAS))
+    if unknown:
+        raise TypeError(f"sparse_attention got unexpected keyword argument(s) {unknown}; accepted extras: {list(_EXTRAS)}")
+    if not isinstance(input_layout, str) or input_layout.upper() not in INPUT_LAYOUTS:
+        raise ValueError(f"input_layout must be one of {list(INPUT_LAYOUTS)}, got {input_layout!r}")
+    layout = input_layout.upper()
+    if sparse_type not in SPARSE_TYPES:
+        raise ValueError(f"sparse_type must be one of {list(SPARSE_TYPES)}, got {sparse_type!r}")
+    q4, k4, v4, back = _to_bnsd(q, k, v, layout, head_num)
+    if scale is not None:
+        scale = _check_float("scale", scale, 0.0, math.inf, lo_open=True, hi_open=True)
+    if inner_precise not in (0, 1) or isinstance(inner_precise, bool):
+        raise ValueError(f"inner_precise must be 0 (fp32 softmax) or 1 (fp16 softmax), got {inner_precise!r}")
+    sparsity = _check_float("sparsity", sparsity, 0.0, 1.0, hi_open=True)
+    return_stats = extras.get("return_stats", False)
+    if not isinstance(return_stats, bool):
+        raise TypeError(f"return_stats must be True or False, got {return_stats!r}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be True or False, got {is_causal!r}")
+
+    def finish(out4, stats):
+        out = back(out4)
+        return (out, stats) if return_stats else out
+
+    if sparse_type is None:
+        if extras.get("selection") is not None:
+            raise ValueError("selection= is only meaningful with sparse_type='rf_v2'")
+        return finish(_dense(q4, k4, v4, scale, attn_mask, is_causal),
+                      SparseStats("dense", "sparse_type=None", None, sparsity, 0.0))
+
+    # ---- rf_v2: validate everything before any work ----
+    if attn_mask is not None or is_causal:
+        raise ValueError("sparse_type='rf_v2' supports neither attn_mask nor is_causal (full bidirectional attention)")
+    if q4.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"sparse_type='rf_v2' needs float32, float16 or bfloat16 inputs, got {q4.dtype}")
+    if not _is_int(block_size) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    sq, skv = q4.shape[2], k4.shape[2]
+    if not _is_int(txt_len) or not (0 <= txt_len <= min(sq, skv)):
+        raise ValueError(f"txt_len must be an int in [0, {min(sq, skv)}] (text tokens at the start of q and k), got {txt_len!r}")
+    lq = _check_shape3("latent_shape_q", latent_shape_q)
+    lk = _check_shape3("latent_shape_k", latent_shape_k)
+    if lq is None:
+        raise ValueError("latent_shape_q (t, h, w) is required for sparse_type='rf_v2'")
+    if math.prod(lq) != sq - txt_len:
+        raise ValueError(f"latent_shape_q {lq} has {math.prod(lq)} tokens but q has {sq} - txt_len {txt_len} = {sq - txt_len} video tokens")
+    if lk is None:
+        if skv != sq:
+            raise ValueError(f"latent_shape_k is required when k's length ({skv}) differs from q's ({sq})")
+        lk = lq
+    if math.prod(lk) != skv - txt_len:
+        raise ValueError(f"latent_shape_k {lk} has {math.prod(lk)} tokens but k has {skv} - txt_len {txt_len} = {skv - txt_len} video tokens")
+    for name, val in (("keep_sink", keep_sink), ("keep_recent", keep_recent)):
+        if not isinstance(val, bool):
+            raise TypeError(f"{name} must be True or False, got {val!r}")
+    cdf_threshold = _check_float("cdf_threshold", cdf_threshold, 0.0, 1.0, lo_open=True)
+    window = extras.get("window")
+    if window is not None and window != "raster":
+        w = _check_shape3("window", window)
+        if math.prod(w) != block_size:
+            raise ValueError(f"window volume must equal block_size={block_size}, got {w} (volume {math.prod(w)}); "
+                             "or pass None (reference 8x8 order) or 'raster'")
+        window = w
+    min_seq_len = extras.get("min_seq_len", 0)
+    if not _is_int(min_seq_len) or min_seq_len < 0:
+        raise ValueError(f"min_seq_len must be a non-negative int, got {min_seq_len!r}")
+    n1, n2 = q4.shape[1], k4.shape[1]
+    chunk = extras.get("head_chunk")
+    if chunk is not None and (not _is_int(chunk) or chunk < 1 or n2 % chunk):
+        raise ValueError(f"head_chunk must be a positive divisor of the key/value heads ({n2}), got {chunk!r}")
+    backend = extras.get("backend")
+    if backend is not None:
+        _rf._check_backend_name(backend, "backend")
+    b = q4.shape[0]
+    nqb, nkb = math.ceil(sq / block_size), math.ceil(skv / block_size)
+    signature = (b, n1, n2, sq, skv, block_size, lq, lk, window, txt_len)
+    selection = extras.get("selection")
+    if selection is not None:
+        if not isinstance(selection, BlockSelection):
+            raise TypeError(f"selection must be a BlockSelection (from SparseStats.selection), got {type(selection).__name__}")
+        if selection.signature != signature:
+            raise ValueError(
+                "selection was computed for another call shape: (batch, heads, kv heads, q len, kv len, block_size, "
+                f"latent_shape_q, latent_shape_k, window, txt_len) = {selection.signature}, this call has {signature}"
+            )
+    keep = max(1, math.ceil((1.0 - sparsity) * nkb))
+    if sq < min_seq_len or (keep >= nkb and selection is None):
+        reason = f"seq_len {sq} < min_seq_len {min_seq_len}" if sq < min_seq_len else "sparsity keeps every block"
+        return finish(_dense(q4, k4, v4, scale, None, False), SparseStats("dense", reason, None, sparsity, 0.0, nqb, nkb))
+    # backend choice is validated now, before the work starts
+    be = _rf.select_sparse_backend(q4, k4, block_shape=(block_size, block_size), inner_precise=inner_precise,
+                                   backend=backend)
+    scale_v = scale if scale is not None else q4.shape[-1] ** -0.5
+
+    # ---- reorder, select, run ----
+    dev = q4.device
+    oq = token_order(lq, window, txt_len)
+    ok = oq if (lk == lq and skv == sq) else token_order(lk, window, txt_len)
+    perm_q, perm_k = oq.perm.to(dev), ok.perm.to(dev)
+    forced_q = forced_blocks(oq.is_text | (oq.is_sink if keep_sink else torch.zeros_like(oq.is_sink)), block_size).to(dev)
+    forced_kv = forced_blocks(ok.is_text | (ok.is_sink if keep_sink else torch.zeros_like(ok.is_sink)), block_size).to(dev)
+    diagonal = (torch.arange(nqb, device=dev) * nkb // nqb) if keep_recent else None
+    q_tok = torch.full((nqb,), block_size, device=dev)
+    q_tok[-1] = sq - (nqb - 1) * block_size
+    kv_tok = torch.full((nkb,), block_size, device=dev)
+    kv_tok[-1] = skv - (nkb - 1) * block_size
+
+    g = n1 // n2
+    c = _head_chunk(n2, chunk)
+    out4 = torch.empty(q4.shape[:-1] + v4.shape[-1:], dtype=q4.dtype, device=dev)
+    idx_parts, num_parts, pairs = [], [], 0.0
+    for h0 in range(0, n2, c):
+        hq, hk = slice(h0 * g, (h0 + c) * g), slice(h0, h0 + c)
+        qc = q4[:, hq].index_select(2, perm_q)
+        kc = k4[:, hk].index_select(2, perm_k)
+        vc = v4[:, hk].index_select(2, perm_k)
+        if selection is None:
+            si, sn, pr = select_blocks(pool_blocks(qc, block_size), pool_blocks(kc, block_size), scale_v, keep,
+                                       forced_q, forced_kv, diagonal, cdf_threshold, q_tok, kv_tok)
+            idx_parts.append(si)
+            num_parts.append(sn)
+            pairs += pr
+        else:
+            si, sn = selection.select_idx[:, hq], selection.select_num[:, hq]
+        problem = _rf._Problem("BNSD", "BNSD", (sq,) * b, (skv,) * b, c * g, c, (block_size, block_size), scale_v,
+                               inner_precise)
+        oc, _, be = _rf._dispatch(qc, kc, vc, si, sn, problem, False, backend)
+        del qc, kc, vc
+        out4[:, hq].index_copy_(2, perm_q, oc)
+        del oc
+    if selection is None:
+        m = max(p.shape[-1] for p in idx_parts)
+        select_idx = torch.cat([F.pad(p, (0, m - p.shape[-1]), value=-1) for p in idx_parts], dim=1)
+        selection_out = BlockSelection(select_idx, torch.cat(num_parts, dim=1), signature)
+        effective = 1.0 - pairs / (b * n1 * sq * skv)
+    else:
+        selection_out = selection
+        si = selection.select_idx.view(b, nqb, n1, -1)
+        valid = torch.arange(si.shape[-1], device=dev) < selection.select_num.view(b, nqb, n1, 1)
+        kv_sel = torch.where(valid, kv_tok[si.clamp_min(0)], torch.zeros_like(si, dtype=kv_tok.dtype)).sum(-1)
+        pairs = float((kv_sel.to(torch.float32) * q_tok.view(1, nqb, 1)).sum())
+        effective = 1.0 - pairs / (b * n1 * sq * skv)
+    stats = SparseStats("sparse", "rf_v2", be, sparsity, effective, nqb, nkb, selection_out, selection is not None)
+    return finish(out4, stats)

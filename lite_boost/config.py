@@ -19,11 +19,14 @@ __all__ = [
     "ParallelConfig",
     "BoostConfig",
     "ATTENTION_BACKEND_NAMES",
+    "SPARSE_BACKEND_NAMES",
 ]
 
 # Names accepted for the dense attention backend (kept here so the config can validate without
 # importing the ops package). ``lite_boost.ops.attention`` registers exactly these.
 ATTENTION_BACKEND_NAMES = ("fa3", "fa2", "npu", "sdpa")
+# Block-sparse kernels of ``lite_boost.ops.rain_fusion_attention`` (same reason).
+SPARSE_BACKEND_NAMES = ("npu", "flex", "gather", "reference")
 SPARSE_TYPES = (None, "rf_v2")
 
 
@@ -104,6 +107,8 @@ class SparseConfig(_ConfigMixin):
     dense_layers: indices of transformer blocks that always use dense attention.
     mask_reuse_steps: a computed block mask is reused for this many steps (1 = recompute every step).
     min_seq_len: sequences shorter than this use dense attention (mask overhead would dominate).
+    backend: block-sparse kernel ("npu", "flex", "gather", "reference") or None = automatic
+        (npu -> flex -> gather, also settable with LITE_BOOST_SPARSE_BACKEND).
     """
 
     sparse_type: str | None = "rf_v2"
@@ -118,9 +123,11 @@ class SparseConfig(_ConfigMixin):
     dense_layers: tuple[int, ...] = ()
     mask_reuse_steps: int = 1
     min_seq_len: int = 0
+    backend: str | None = None
 
     def __post_init__(self):
         _check_choice("sparse_type", self.sparse_type, SPARSE_TYPES)
+        _check_choice("backend", self.backend, (None,) + SPARSE_BACKEND_NAMES)
         if isinstance(self.sparsity, bool) or not isinstance(self.sparsity, (int, float)):
             raise ConfigError(f"sparsity must be a float in [0, 1), got {self.sparsity!r}")
         if not (0.0 <= float(self.sparsity) < 1.0) or math.isnan(self.sparsity):

@@ -76,3 +76,25 @@ def test_coerce():
     assert BoostConfig.coerce({"rope_cache_size": 3}).rope_cache_size == 3
     with pytest.raises(ConfigError, match="config must be a BoostConfig"):
         BoostConfig.coerce("fast")
+
+
+def test_backend_name_lists_match_the_registries():
+    import importlib
+
+    from lite_boost.config import ATTENTION_BACKEND_NAMES, SPARSE_BACKEND_NAMES
+    from lite_boost.ops.rain_fusion import SPARSE_BACKENDS
+
+    assert tuple(importlib.import_module("lite_boost.ops.attention").BACKENDS) == ATTENTION_BACKEND_NAMES
+    assert tuple(SPARSE_BACKENDS) == SPARSE_BACKEND_NAMES
+    assert SparseConfig(backend="gather").backend == "gather"
+    with pytest.raises(ConfigError, match=r"backend must be one of \[None, 'npu', 'flex', 'gather', 'reference'\]"):
+        SparseConfig(backend="triton")
+
+
+def test_ops_exports_sparse_names_lazily():
+    import lite_boost.ops as ops
+
+    for name in ops.__all__:
+        assert getattr(ops, name) is not None
+    with pytest.raises(AttributeError):
+        ops.not_a_name

@@ -160,3 +160,16 @@ def test_step_tracker_without_scheduler_counts_timesteps():
         out.append((tr.step, tr.call, tr.generation))
     assert out == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0), (2, 0, 0), (0, 0, 1), (0, 1, 1)]
     assert tr.total is None
+
+
+def test_config_backend_overrides_the_environment(stock):
+    pipe, _ = stock
+    cfg = SparseConfig(sparsity=0.6, block_size=16, window=(1, 4, 4), backend="reference")
+    lite_boost.boost(pipe, BoostConfig(sparse=cfg))
+    try:
+        latents(pipe)
+        events = sparse_state(pipe).events
+    finally:
+        lite_boost.unboost(pipe)
+    sparse = [e for e in events if e.path == "sparse"]
+    assert sparse and all(e.backend == "reference" for e in sparse)

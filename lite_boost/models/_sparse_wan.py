@@ -41,6 +41,7 @@ class SparseEvent:
     reason: str
     reused: bool = False
     effective_sparsity: float = 0.0
+    backend: str | None = None  # rain_fusion kernel of a sparse call
 
 
 @dataclass
@@ -87,11 +88,11 @@ class SparseWanAttention:
         c = self.state.config
         return f"SparseWanAttention(layer={self.layer_idx}, {c.sparse_type}, sparsity={c.sparsity}, dense={self.dense_fn!r})"
 
-    def _record(self, path, reason, reused=False, eff=0.0):
+    def _record(self, path, reason, reused=False, eff=0.0, backend=None):
         st = self.state
         if st.record_events:
             st.events.append(SparseEvent(st.tracker.generation, st.tracker.step, st.tracker.call, self.layer_idx,
-                                         path, reason, reused, eff))
+                                         path, reason, reused, eff, backend))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         st, cfg = self.state, self.state.config
@@ -114,12 +115,12 @@ class SparseWanAttention:
             q, k, v, head_num=q.shape[2], input_layout="BSND", sparse_type=cfg.sparse_type,
             block_size=cfg.block_size, latent_shape_q=grid, keep_sink=cfg.keep_sink, keep_recent=cfg.keep_recent,
             cdf_threshold=cfg.cdf_threshold, sparsity=cfg.sparsity, window=cfg.window,
-            min_seq_len=cfg.min_seq_len, selection=selection, return_stats=True,
+            min_seq_len=cfg.min_seq_len, selection=selection, return_stats=True, backend=cfg.backend,
         )
         stats: SparseStats
         if stats.selection is not None and selection is None:
             st.masks[key] = (tr.step, stats.selection)
-        self._record(stats.path, stats.reason, stats.reused, stats.effective_sparsity)
+        self._record(stats.path, stats.reason, stats.reused, stats.effective_sparsity, stats.backend)
         return out
 
 

@@ -22,16 +22,32 @@ __all__ = [
     "rope_tables",
     "rain_fusion_attention",
     "sparse_attention",
+    "sparse_backend",
+    "select_sparse_backend",
+    "available_sparse_backends",
+    "SparseBackendError",
+    "SparseStats",
+    "BlockSelection",
 ]
 
+# Block-sparse names load lazily: they pull in FlexAttention and the sparse layout machinery,
+# which dense attention users never need.
+_LAZY = {
+    "rain_fusion_attention": "rain_fusion",
+    "sparse_backend": "rain_fusion",
+    "select_sparse_backend": "rain_fusion",
+    "available_sparse_backends": "rain_fusion",
+    "SparseBackendError": "rain_fusion",
+    "sparse_attention": "sparse",
+    "SparseStats": "sparse",
+    "BlockSelection": "sparse",
+}
 
-def __getattr__(name):  # lazy: the sparse ops pull in more machinery than dense attention needs
-    if name == "rain_fusion_attention":
-        from .rain_fusion import rain_fusion_attention
 
-        return rain_fusion_attention
-    if name == "sparse_attention":
-        from .sparse import sparse_attention
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lite_boost.ops' has no attribute {name!r}")
+    import importlib
 
-        return sparse_attention
-    raise AttributeError(f"module 'lite_boost.ops' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)

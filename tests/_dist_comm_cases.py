@@ -39,7 +39,7 @@ ATTN_SHAPES = [
 def comm_cases(rank, world_size, init_method):
     from lite_boost.config import ParallelConfig
     from lite_boost.parallel import UlyssesAttention, SequenceShardInfo, init_mesh
-    from lite_boost.parallel.comm import head_split, shard_length, ulysses_lower_bound_bytes
+    from lite_boost.parallel.comm import head_split, ulysses_lower_bound_bytes
 
     mesh = init_mesh(ParallelConfig(timeout_s=60), init_method=init_method)
     assert mesh.world_size == world_size and mesh.rank == rank and mesh.sequence_degree == world_size

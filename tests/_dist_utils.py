@@ -49,6 +49,8 @@ def _entry(fn, rank, world_size, init_method, out_dir, args, threads):
         import torch.distributed as dist
 
         if dist.is_initialized():
+            if payload[0] == "ok":
+                dist.barrier()  # let every peer finish before tearing gloo down
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass

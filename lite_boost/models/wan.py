@@ -30,6 +30,7 @@ from ..config import BoostConfig
 from ..ops.attention import attention
 from ..ops.rope import RopeCache, RotaryEmbedding, apply_rotary_emb, rope_tables, rotate
 from . import register_model
+from ._sparse_wan import attach_pipeline, install_sparse, uninstall_sparse
 
 __all__ = [
     "DenseAttention",
@@ -247,6 +248,7 @@ def boost_wan_transformer(transformer, config: BoostConfig | None = None):
     if _rope_matches_cache(transformer.rope):
         transformer.rope.forward = CachedWanRope(transformer.rope, state)
         state.rope_patched = True
+    install_sparse(transformer, state)  # block-sparse self-attention when config.sparse asks for it
     transformer._lite_boost = state
     return transformer
 
@@ -260,6 +262,7 @@ def unboost_wan_transformer(transformer):
         transformer.get_submodule(name).set_processor(proc)
     if state.rope_patched and "forward" in transformer.rope.__dict__:
         del transformer.rope.forward
+    uninstall_sparse(transformer, state)
     del transformer._lite_boost
     return transformer
 
@@ -284,6 +287,7 @@ def boost_wan_pipeline(pipe, config: BoostConfig | None = None):
         _check_wan_transformer(module)
     for _, module in transformers:
         boost_wan_transformer(module, config)
+        attach_pipeline(module, pipe)  # the sparse schedule follows pipe.scheduler's step
     return pipe
 
 
@@ -294,3 +298,20 @@ def unboost_wan_pipeline(pipe):
 
 
 boost_wan_pipeline.unboost = unboost_wan_pipeline
+
+
+# Sequence / CFG parallel layout of Wan, executed by lite_boost.parallel's generic hooks.
+from ..parallel.plan import CfgPlan, GatherOutput, PipelinePlan, ShardingPlan, SplitInput, SplitOutput  # noqa: E402
+
+WAN_SHARDING_PLAN = ShardingPlan(
+    split_inputs=(
+        SplitInput("", "timestep", dim=1, ndim=2),  # Wan2.2 TI2V: per-token timesteps (B, S)
+        SplitInput("blocks.0", "hidden_states", dim=1),  # video tokens after patch embedding
+    ),
+    split_outputs=(SplitOutput("rope", dim=1),),  # only when diffusers' own (cos, sin) RoPE is kept
+    gather_outputs=(GatherOutput("proj_out", dim=1),),
+    rope_range="rope_range",  # WanBoostState.rope_range: the RoPE cache serves this rank's rows
+)
+WAN_PIPELINE_PLAN = PipelinePlan(transformers=TRANSFORMER_ATTRS, cfg=CfgPlan(), prepare_latents="prepare_latents")
+boost_wan_transformer.sharding_plan = WAN_SHARDING_PLAN
+boost_wan_pipeline.pipeline_plan = WAN_PIPELINE_PLAN

@@ -10,9 +10,17 @@ This package knows nothing of any particular model: models declare a sharding pl
 
 from .comm import CommStats, Communicator, head_split, shard_length
 from .groups import ParallelMesh, init_mesh
+from .plan import CfgPlan, GatherOutput, PipelinePlan, PlanError, ShardingPlan, SplitInput, SplitOutput
 from .ulysses import SequenceShardInfo, UlyssesAttention
 
 __all__ = [
+    "CfgPlan",
+    "GatherOutput",
+    "PipelinePlan",
+    "PlanError",
+    "ShardingPlan",
+    "SplitInput",
+    "SplitOutput",
     "CommStats",
     "Communicator",
     "ParallelManager",

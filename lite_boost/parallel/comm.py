@@ -227,10 +227,17 @@ class Communicator:
             return q, k, v
         heads = head_split(H, P)
         h_me = heads[self.rank]
-        qkv = torch.stack([q, k, v], dim=0)  # (3, B, s, H, D)
-        send = torch.cat([c.reshape(-1) for c in qkv.split(heads, dim=3)])
         unit = 3 * B * s * D
-        recv = qkv.new_empty(P * unit * h_me)
+        # pack [rank j][q|k|v][B, s, h_j, D] with one copy per tensor slice (no stacked temporary)
+        send = q.new_empty(unit * H)
+        offset = h0 = 0
+        for h in heads:
+            dst = send[offset : offset + unit * h].view(3, B, s, h, D)
+            for i, x in enumerate((q, k, v)):
+                dst[i].copy_(x[:, :, h0 : h0 + h])
+            offset += unit * h
+            h0 += h
+        recv = q.new_empty(P * unit * h_me)
         self.all_to_all_single(
             recv, send, [unit * h_me] * P, [unit * h for h in heads], op="qkv_to_heads"
         )

@@ -145,12 +145,21 @@ class ParallelMesh:
         )
 
     def destroy(self) -> None:
-        """Destroy the sub-groups, and the default group when this mesh created it. Idempotent."""
+        """Destroy the sub-groups, and the default group when this mesh created it. Idempotent.
+
+        Collective: call it on every rank. A barrier (bounded by the timeout) first lets every peer
+        finish its last exchange; tearing gloo down while a peer still sends can abort the process.
+        """
         if self._destroyed:
             return
         self._destroyed = True
         if not dist.is_available() or not dist.is_initialized():
             return
+        if self.world_size > 1:
+            try:
+                dist.barrier()
+            except Exception:  # noqa: BLE001 - a dead peer: tear down anyway
+                pass
         for comm in (self.sequence, self.cfg):
             if comm.group is not None and comm.owns_group:
                 try:

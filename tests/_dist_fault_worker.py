@@ -1,0 +1,77 @@
+"""A rank of a fault-injection run (started by test_parallel_faults.py with the torchrun variables).
+
+Usage: python _dist_fault_worker.py MODE FAULTY_RANK TIMEOUT_S
+MODE: raise (the faulty rank raises before the first exchange), die (os._exit mid-run),
+hang (the faulty rank stalls and never joins the collective), ok (no fault);
+pipe_raise / pipe_die / pipe_hang: the same inside a tiny Wan pipeline under ParallelManager
+(cfg 2 when the world size is even: the hang then stalls the CFG exchange).
+Every healthy rank runs Ulysses attention in a loop; it must exit non-zero (never hang) on a fault.
+"""
+
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def attn(q, k, v):
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+def inject(mode):
+    if mode.endswith("raise"):
+        raise RuntimeError("injected failure on the faulty rank")
+    if mode.endswith("die"):
+        os._exit(3)
+    if mode.endswith("hang"):
+        time.sleep(3600)
+
+
+def pipeline_main(mode, faulty, timeout_s):
+    from lite_boost.demo import tiny_wan_pipeline
+    from lite_boost.parallel import ParallelManager
+
+    world = int(os.environ["WORLD_SIZE"])
+    pipe = tiny_wan_pipeline("t2v")
+    cfg = 2 if world % 2 == 0 else 1
+    ParallelManager(pipe, {"parallel": {"cfg_degree": cfg, "timeout_s": timeout_s}})
+    rank = pipe._lite_boost_parallel.mesh.rank
+    calls = [0]
+
+    def fault(module, args):
+        calls[0] += 1
+        if rank == faulty and calls[0] == 3:
+            inject(mode)
+
+    pipe.transformer.blocks[1].register_forward_pre_hook(fault)
+    pipe(prompt="a fox", negative_prompt="blur", height=32, width=48, num_frames=5, num_inference_steps=3,
+         guidance_scale=5.0, output_type="latent")
+    print(f"rank {rank} done", flush=True)
+
+
+def main():
+    mode, faulty, timeout_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    torch.set_num_threads(1)
+    if mode.startswith("pipe"):
+        return pipeline_main(mode, faulty, timeout_s)
+    from lite_boost.config import ParallelConfig
+    from lite_boost.parallel import SequenceShardInfo, UlyssesAttention, init_mesh
+
+    mesh = init_mesh(ParallelConfig(timeout_s=timeout_s))  # env:// from RANK/WORLD_SIZE/MASTER_*
+    rank = mesh.rank
+    info = SequenceShardInfo(mesh.sequence_degree)
+    info.set(33)
+    uly = UlyssesAttention(attn, mesh.sequence, info)
+    q = torch.randn(1, info.shard_len, 3, 8)
+    for step in range(6):
+        if rank == faulty and step == 2:
+            inject(mode)
+        q = uly(q, q, q)
+    mesh.destroy()
+    print(f"rank {rank} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

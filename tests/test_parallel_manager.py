@@ -1,0 +1,133 @@
+"""ParallelManager in one process: world size 1 == boost, validation before any collective, removal."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lite_boost
+from lite_boost.config import ConfigError
+from lite_boost.demo import TinyWanSpec, tiny_wan_pipeline, tiny_wan_transformer
+from lite_boost.models import SUPPORTED_MODELS, UnsupportedModelError, register_model
+from lite_boost.parallel import ParallelManager, initialize_usp, unparallelize
+from lite_boost.parallel.plan import PlanError, SequenceParallelHooks, ShardingPlan, SplitInput, GatherOutput
+from lite_boost.parallel.comm import Communicator
+
+from conftest import pipeline_kwargs
+
+
+@pytest.fixture(autouse=True)
+def _single_process_env(monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    assert not dist.is_initialized()
+
+
+def test_world_size_one_equals_boost():
+    spec = TinyWanSpec(heads=3)
+    ref = lite_boost.boost(tiny_wan_pipeline("t2v", spec=spec))(**pipeline_kwargs("t2v")).frames
+    pipe = tiny_wan_pipeline("t2v", spec=spec)
+    assert ParallelManager(pipe) is pipe
+    assert lite_boost.api.is_boosted(pipe)
+    got = pipe(**pipeline_kwargs("t2v")).frames
+    assert torch.equal(got, ref)
+    # the top-level lazy export is the same function
+    assert lite_boost.ParallelManager is ParallelManager
+
+
+def test_initialize_usp_single_process():
+    mesh = initialize_usp()
+    assert (mesh.world_size, mesh.cfg_degree, mesh.sequence_degree) == (1, 1, 1)
+    assert "rank 0/1" in mesh.describe()
+
+
+def test_model_without_plan_fails_before_any_collective(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")  # no MASTER_ADDR: reaching init would raise a different error
+
+    class NoPlanModel(torch.nn.Module):
+        pass
+
+    @register_model("NoPlanModel")
+    def boost_no_plan(target, config):
+        return target
+
+    try:
+        with pytest.raises(PlanError, match=r"NoPlanModel has no sequence-parallel sharding plan; models with a plan: "
+                                            r"\[.*'WanTransformer3DModel'.*\]"):
+            ParallelManager(NoPlanModel())
+    finally:
+        del SUPPORTED_MODELS["NoPlanModel"]
+
+
+def test_unsupported_class_lists_supported_ones(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UnsupportedModelError, match="supported classes: .*WanPipeline"):
+        ParallelManager(torch.nn.Linear(2, 2))
+
+
+def test_bad_degrees_fail_before_any_collective(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    pipe = tiny_wan_pipeline("t2v")
+    with pytest.raises(ConfigError, match=r"valid sequence_degree for this cfg_degree: \[2\]"):
+        ParallelManager(pipe, {"parallel": {"cfg_degree": 2, "sequence_degree": 3}})
+    with pytest.raises(ConfigError, match="cfg_degree must be one of"):
+        ParallelManager(pipe, {"parallel": {"cfg_degree": 4}})
+    with pytest.raises(ConfigError, match="vae_parallel"):
+        ParallelManager(pipe, {"parallel": {"vae_parallel": True}})
+    with pytest.raises(ConfigError, match="unknown ParallelConfig key"):
+        ParallelManager(pipe, {"parallel": {"ulysses_degree": 2}})
+    assert not lite_boost.api.is_boosted(pipe)  # nothing was touched
+
+
+def test_cfg_parallel_needs_a_pipeline(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"cfg_degree=2 needs a pipeline .* Valid cfg_degree here: \[1\]"):
+        ParallelManager(tiny_wan_transformer(), {"parallel": {"cfg_degree": 2}})
+
+
+def test_bad_mesh_argument():
+    with pytest.raises(TypeError, match="mesh must be a ParallelMesh"):
+        ParallelManager(tiny_wan_pipeline("t2v"), mesh="world")
+
+
+def test_plan_naming_a_missing_module_is_rejected():
+    model = lite_boost.boost(tiny_wan_transformer())
+    bad = ShardingPlan(split_inputs=(SplitInput("blocks.99", "hidden_states", 1),),
+                       gather_outputs=(GatherOutput("proj_out", 1),))
+    with pytest.raises(PlanError, match="blocks.99"):
+        SequenceParallelHooks(model, bad, Communicator(None, 1, 0))
+    bad = ShardingPlan(split_inputs=(SplitInput("blocks.0", "tokens", 1),), gather_outputs=(GatherOutput("proj_out", 1),))
+    with pytest.raises(PlanError, match="no argument 'tokens'"):
+        SequenceParallelHooks(model, bad, Communicator(None, 1, 0))
+    with pytest.raises(PlanError, match="not boosted"):
+        SequenceParallelHooks(tiny_wan_transformer(), bad, Communicator(None, 1, 0))
+
+
+def test_hooks_on_one_rank_are_exact_and_removable():
+    """The generic hooks with a size-1 communicator change nothing; remove() restores the model."""
+    from lite_boost.models.wan import WAN_SHARDING_PLAN
+
+    model = lite_boost.boost(tiny_wan_transformer(TinyWanSpec(heads=3)))
+    x = torch.randn(1, 16, 2, 4, 10)
+    t = torch.tensor([500])
+    ctx = torch.randn(1, 512, 32)
+    with torch.no_grad():
+        ref = model(x, t, ctx).sample
+        hooks = SequenceParallelHooks(model, WAN_SHARDING_PLAN, Communicator(None, 1, 0)).apply()
+        procs = model._lite_boost.self_attention_processors
+        assert all(type(p.attn_fn).__name__ == "UlyssesAttention" for p in procs)
+        got = model(x, t, ctx).sample
+        hooks.remove()
+        assert all(type(p.attn_fn).__name__ == "DenseAttention" for p in procs)
+        assert model._lite_boost.rope_range is None
+        again = model(x, t, ctx).sample
+    assert torch.equal(got, ref) and torch.equal(again, ref)
+
+
+def test_unparallelize_keeps_the_boost():
+    pipe = ParallelManager(tiny_wan_pipeline("t2v"))
+    assert unparallelize(pipe) is pipe and lite_boost.api.is_boosted(pipe)
+    lite_boost.unboost(pipe)
+    assert not lite_boost.api.is_boosted(pipe)

@@ -303,8 +303,10 @@ def generate(args, argv: list[str]) -> int:
 
     rows = {}
     stock_frames = None
-    if not args.no_compare and rank == 0:
-        say("stock diffusers run ...")
+    if not args.no_compare:
+        # Every rank runs the stock pass (no collectives in it): a rank-0-only baseline would leave
+        # the other ranks waiting at the first collective for as long as it takes.
+        say("stock diffusers run" + (f" (on each of the {world} ranks, one device each)" if world > 1 else "") + " ...")
         stock_frames, rows["stock"] = _run(pipe, kw, device.type, args.warmup)
     if world > 1:
         from lite_boost.parallel import ParallelManager

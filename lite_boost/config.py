@@ -164,14 +164,12 @@ class ParallelConfig(_ConfigMixin):
     cfg_degree: 1 or 2 (conditional and unconditional passes on different rank groups).
     timeout_s: collective timeout in seconds; a dead or failing rank makes the others exit.
     backend: torch.distributed backend (None = nccl on CUDA, hccl on NPU, gloo on CPU).
-    vae_parallel: decode the VAE in temporal chunks across ranks.
     """
 
     sequence_degree: int | None = None
     cfg_degree: int = 1
     timeout_s: float = 600.0
     backend: str | None = None
-    vae_parallel: bool = False
 
     def __post_init__(self):
         _check_int("sequence_degree", self.sequence_degree, lo=1, allow_none=True)
@@ -179,7 +177,6 @@ class ParallelConfig(_ConfigMixin):
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
         _check_choice("backend", self.backend, (None, "gloo", "nccl", "hccl"))
-        _check_bool("vae_parallel", self.vae_parallel)
 
     def resolve(self, world_size: int) -> tuple[int, int]:
         """Return (cfg_degree, sequence_degree) for ``world_size`` or raise listing valid choices."""

@@ -254,9 +254,6 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh:
     from ..api import boost
 
     config = BoostConfig.coerce(config)
-    if config.parallel.vae_parallel:
-        raise ConfigError("parallel.vae_parallel=True is not implemented yet (the VAE decodes on every rank); "
-                          "valid values: [False]")
     pplan, models = _resolve_target(target)  # raises before any collective
     if mesh is None:
         if config.parallel.cfg_degree > 1 and (pplan is None or pplan.cfg is None):

@@ -13,20 +13,19 @@ call that could use them; their absence never breaks ``import lite_boost``.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import importlib
 import importlib.util
 import logging
 import os
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..config import ATTENTION_BACKEND_NAMES
+from ._override import BackendOverride
 
 __all__ = [
     "AttentionBackendError",
@@ -51,9 +50,6 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FULL_WINDOW = 2147483647  # pre/next tokens for full bidirectional attention on Ascend
 
-# Context-local override set by ``attention_backend(...)``; a ContextVar, so threads and asyncio
-# tasks each see their own value and nothing leaks across them.
-_FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("lite_boost_attn_backend", default=None)
 
 
 class AttentionBackendError(RuntimeError):
@@ -217,23 +213,8 @@ assert tuple(BACKENDS) == ATTENTION_BACKEND_NAMES
 # --------------------------------------------------------------------------------------------- #
 
 
-def _check_backend_name(name: str, argument: str) -> str:
-    if not isinstance(name, str) or name.lower() not in BACKENDS:
-        raise ValueError(f"{argument} must be one of {list(BACKENDS)} (or None for automatic), got {name!r}")
-    return name.lower()
-
-
-def _requested_backend(backend: str | None) -> tuple[str | None, str]:
-    """Resolve the forced backend: per call > context manager > environment variable."""
-    if backend is not None:
-        return _check_backend_name(backend, "backend"), "requested by the call"
-    forced = _FORCED.get()
-    if forced is not None:
-        return forced, "forced by attention_backend(...)"
-    env = os.environ.get(ENV_VAR, "").strip()
-    if env and env.lower() != "auto":
-        return _check_backend_name(env, f"environment variable {ENV_VAR}"), f"forced by {ENV_VAR}"
-    return None, "automatic"
+# Per-call argument > ``with attention_backend(...)`` > LITE_BOOST_ATTN_BACKEND.
+_OVERRIDE = BackendOverride(ATTENTION_BACKEND_NAMES, ENV_VAR, "attention_backend(...)")
 
 
 @functools.lru_cache(maxsize=512)
@@ -268,7 +249,7 @@ def select_backend(q: torch.Tensor, k: torch.Tensor | None = None, *, layout: st
     layout = _check_layout(layout)
     heads_axis = 2 if layout == "BSND" else 1
     kv_heads = (k if k is not None else q).shape[heads_axis]
-    requested, how = _requested_backend(backend)
+    requested, how = _OVERRIDE.requested(backend)
     return _resolve(q.device.type, q.dtype, q.shape[-1], q.shape[heads_axis], kv_heads != q.shape[heads_axis],
                     requested, how)
 
@@ -291,15 +272,9 @@ def backend_report() -> list[tuple[str, str, str]]:
     return rows
 
 
-@contextlib.contextmanager
-def attention_backend(name: str | None) -> Iterator[None]:
+def attention_backend(name: str | None):
     """Force a dense attention backend inside a ``with`` block (``None`` restores automatic choice)."""
-    value = None if name is None else _check_backend_name(name, "name")
-    token = _FORCED.set(value)
-    try:
-        yield
-    finally:
-        _FORCED.reset(token)
+    return _OVERRIDE.force(name)
 
 
 # --------------------------------------------------------------------------------------------- #

@@ -25,18 +25,17 @@ cannot run raises :class:`SparseBackendError` saying why and listing the usable 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from . import _sparse_npu
 from ._flex import FLEX
+from ._override import BackendOverride
 from ._sparse_kernels import dense_masked_attention, gather_attention
 
 __all__ = [
@@ -56,7 +55,8 @@ SPARSE_BACKENDS = ("npu", "flex", "gather", "reference")
 _AUTO_ORDER = ("npu", "flex", "gather")
 LAYOUTS = ("TND", "BNSD")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("lite_boost_sparse_backend", default=None)
+# Per-call argument > ``with sparse_backend(...)`` > LITE_BOOST_SPARSE_BACKEND.
+_OVERRIDE = BackendOverride(SPARSE_BACKENDS, ENV_VAR, "sparse_backend(...)")
 
 
 class SparseBackendError(RuntimeError):
@@ -379,25 +379,11 @@ _BACKENDS = {
 
 
 def _check_backend_name(name, argument: str) -> str:
-    if not isinstance(name, str) or name.lower() not in _BACKENDS:
-        raise ValueError(f"{argument} must be one of {list(SPARSE_BACKENDS)} (or None for automatic), got {name!r}")
-    return name.lower()
-
-
-def _requested(backend):
-    if backend is not None:
-        return _check_backend_name(backend, "backend"), "requested by the call"
-    forced = _FORCED.get()
-    if forced is not None:
-        return forced, "forced by sparse_backend(...)"
-    env = os.environ.get(ENV_VAR, "").strip()
-    if env and env.lower() != "auto":
-        return _check_backend_name(env, f"environment variable {ENV_VAR}"), f"forced by {ENV_VAR}"
-    return None, "automatic"
+    return _OVERRIDE.check(name, argument)
 
 
 def _choose(c: _Context, backend) -> tuple[str, str]:
-    requested, how = _requested(backend)
+    requested, how = _OVERRIDE.requested(backend)
     if requested is not None:
         why = _BACKENDS[requested].rejects(c)
         if why is not None:
@@ -433,15 +419,9 @@ def available_sparse_backends(device="cpu", dtype=torch.float32) -> dict[str, st
     return {n: _BACKENDS[n].rejects(c) for n in SPARSE_BACKENDS}
 
 
-@contextlib.contextmanager
-def sparse_backend(name: str | None) -> Iterator[None]:
+def sparse_backend(name: str | None):
     """Force a block-sparse backend inside a ``with`` block (``None`` restores automatic choice)."""
-    value = None if name is None else _check_backend_name(name, "name")
-    token = _FORCED.set(value)
-    try:
-        yield
-    finally:
-        _FORCED.reset(token)
+    return _OVERRIDE.force(name)
 
 
 def _dispatch(query, key, value, select_idx, select_num, p: _Problem, return_lse: bool, backend):

@@ -13,7 +13,6 @@ import argparse
 import logging
 import os
 import platform
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -263,9 +262,7 @@ def _run(pipe, kw, device_type, warmup: int = 0):
 def generate(args, argv: list[str]) -> int:
     _validate_generate(args)
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        if shutil.which("torchrun") is None and sys.executable is None:
-            raise SystemExit("lite-boost generate: --nproc needs torch.distributed.run (torchrun)")
-        cmd = _torchrun_command(args, argv)
+        cmd = _torchrun_command(args, argv)  # torchrun = python -m torch.distributed.run
         print("launching:", " ".join(cmd), flush=True)
         return subprocess.call(cmd)
 

@@ -58,3 +58,12 @@ def test_write_video_falls_back_to_gif(tmp_path, monkeypatch):
 
     with Image.open(path) as im:
         assert im.n_frames == 3
+
+
+def test_nproc_relaunches_under_torchrun_without_the_flag():
+    from lite_boost.cli import _torchrun_command, build_parser
+
+    argv = ["generate", "--nproc", "3", "--steps", "1", "--nproc=3", "--cfg-degree", "1"]
+    cmd = _torchrun_command(build_parser().parse_args(argv), argv)
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3"]
+    assert cmd[5:] == ["-m", "lite_boost.cli", "generate", "--steps", "1", "--cfg-degree", "1"]

@@ -124,3 +124,22 @@ def test_bf16_pipeline_stays_close_to_stock():
     assert torch.isfinite(boosted).all()
     rel = (boosted.float() - stock.float()).norm() / stock.float().norm()
     assert rel < 0.05
+
+
+@pytest.mark.slow
+def test_boosted_transformer_compiles_and_matches_stock():
+    import warnings
+
+    from lite_boost.demo import tiny_wan_transformer
+
+    model = tiny_wan_transformer(TinyWanSpec(heads=2))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 16, 3, 10, 14, generator=g)
+    t = torch.tensor([500])
+    ctx = torch.randn(1, 7, 32, generator=g)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = model(x, t, ctx).sample
+        compiled = torch.compile(lite_boost.boost(model))
+        out = compiled(x, t, ctx).sample
+    assert (out - ref).abs().max().item() <= TOL

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ATTENTION_BACKEND_NAMES
+from ._checks import check_qkv_tensors
 from ._override import BackendOverride
 
 __all__ = [
@@ -291,17 +292,10 @@ def _check_layout(layout) -> str:
 def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str = "BSND") -> str:
     """Check q/k/v ranks, dtypes, devices and shapes for ``layout``; return the normalised layout."""
     layout = _check_layout(layout)
+    check_qkv_tensors(q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be a rank-4 tensor in layout {layout}, got shape {tuple(t.shape)}")
-        if not t.dtype.is_floating_point:
-            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
     s_ax, n_ax = (1, 2) if layout == "BSND" else (2, 1)
     if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
         raise ValueError(

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import rain_fusion as _rf
+from ._checks import check_qkv_tensors
 from ._sparse_layout import token_order
 from ._sparse_mask import forced_blocks, pool_blocks, select_blocks
 
@@ -101,15 +102,7 @@ def _check_shape3(name, value):
 
 def _to_bnsd(q, k, v, layout, head_num):
     """Validate tensors for ``layout`` and return BNSD views plus a function mapping BNSD output back."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.dtype.is_floating_point:
-            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    check_qkv_tensors(q, k, v)
     if not _is_int(head_num) or head_num < 1:
         raise ValueError(f"head_num must be a positive int, got {head_num!r}")
     rank = 3 if layout == "BSH" else 4

@@ -1,0 +1,299 @@
+// CPU kernel of lite_boost::rain_fusion_attention: flash-style block-sparse attention.
+//
+// Work item = (batch, query head, query block). For each item the selected KV blocks are walked in
+// ascending order; runs of consecutive blocks are merged into one tile of up to kMaxKvTile tokens.
+// Per tile: S = scale * Q K^T (BLAS sgemm, fp32), online softmax update of the running row max / sum
+// (vectorised with at::vec), O = O * correction + P V (sgemm, accumulate). Nothing of size S x S and no
+// gathered copy of K/V exists: fp32 inputs are read in place through their strides; fp16/bf16 tiles are
+// widened into small per-thread buffers. Items are handed out dynamically (atomic counter) to
+// at::parallel_for's threads, because rows select different numbers of blocks.
+#include "vec_config.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../common.h"
+#include "blas.h"
+
+namespace lite_boost {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kMaxKvTile = 512;  // tokens per merged KV tile (S tile = block_q x 512 fp32)
+
+// Strided view of one operand: element (batch b, head h, token t, feature d) at
+// base + batch_off[b] + h * head_stride + t * tok_stride + d.
+template <typename T>
+struct Operand {
+  const T* base;
+  std::vector<int64_t> batch_off;
+  int64_t head_stride, tok_stride;
+  const T* at(int64_t b, int64_t h, int64_t t) const { return base + batch_off[b] + h * head_stride + t * tok_stride; }
+};
+
+template <typename T>
+Operand<T> make_operand(const at::Tensor& x, const std::string& layout, const std::vector<int64_t>& lens) {
+  Operand<T> o{x.const_data_ptr<T>(), {}, 0, 0};
+  if (layout == "BNSD") {
+    for (size_t b = 0; b < lens.size(); ++b) o.batch_off.push_back(static_cast<int64_t>(b) * x.stride(0));
+    o.head_stride = x.stride(1);
+    o.tok_stride = x.stride(2);
+  } else {
+    int64_t start = 0;
+    for (auto n : lens) {
+      o.batch_off.push_back(start * x.stride(0));
+      start += n;
+    }
+    o.head_stride = x.stride(1);
+    o.tok_stride = x.stride(0);
+  }
+  return o;
+}
+
+// rows x cols (row stride ld_src) of T -> fp32 (row stride ld_dst), vectorised.
+template <typename T>
+inline void widen(const T* src, int64_t ld_src, float* dst, int64_t ld_dst, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(dst + r * ld_dst, src + r * ld_src, cols * sizeof(float));
+    } else {
+      at::vec::convert(src + r * ld_src, dst + r * ld_dst, cols);
+    }
+  }
+}
+
+struct Scratch {
+  std::vector<float> q, k, v, s, acc, m, l;
+};
+
+template <typename T>
+void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+             const at::Tensor& select_idx, const at::Tensor& select_num, at::Tensor& out, float* lse) {
+  const int64_t d = query.size(-1), dv = value.size(-1);
+  const int64_t bq = p.block_q, bk = p.block_kv, n1 = p.n1, g = p.n1 / p.n2;
+  const int64_t m_sel = select_idx.size(2);
+  const auto Q = make_operand<T>(query, p.q_layout, p.q_lens);
+  const auto K = make_operand<T>(key, p.kv_layout, p.kv_lens);
+  const auto V = make_operand<T>(value, p.kv_layout, p.kv_lens);
+  // out has the query's layout and is contiguous; lse (if any) is contiguous query.shape[:-1].
+  T* out_base = out.data_ptr<T>();
+  std::vector<int64_t> out_off, lse_off;
+  int64_t out_head, out_tok, lse_head, lse_tok;
+  {
+    const int64_t nb = static_cast<int64_t>(p.q_lens.size());
+    int64_t start = 0;
+    for (int64_t b = 0; b < nb; ++b) {
+      if (p.q_layout == "BNSD") {
+        out_off.push_back(b * out.stride(0));
+        lse_off.push_back(b * n1 * query.size(2));
+      } else {
+        out_off.push_back(start * out.stride(0));
+        lse_off.push_back(start * n1);
+        start += p.q_lens[b];
+      }
+    }
+    if (p.q_layout == "BNSD") {
+      out_head = out.stride(1); out_tok = out.stride(2); lse_head = query.size(2); lse_tok = 1;
+    } else {
+      out_head = out.stride(1); out_tok = out.stride(0); lse_head = 1; lse_tok = n1;
+    }
+  }
+  // Work items: per batch n1 * q_blocks; h-major so consecutive items share K/V of one head.
+  std::vector<int64_t> item_start{0}, row_start{0};
+  for (size_t b = 0; b < p.q_lens.size(); ++b) {
+    item_start.push_back(item_start.back() + n1 * p.q_blocks[b]);
+    row_start.push_back(row_start.back() + p.q_blocks[b]);
+  }
+  const int64_t total = item_start.back();
+  const int64_t* idx_all = select_idx.const_data_ptr<int64_t>();
+  const int64_t* num_all = select_num.const_data_ptr<int64_t>();
+  const float scale = static_cast<float>(p.scale);
+  constexpr bool kF32 = std::is_same_v<T, float>;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t kv_tile = std::max<int64_t>(kMaxKvTile / bk, 1) * bk;
+  std::atomic<int64_t> next{0};
+  const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(total, 1));
+
+  at::parallel_for(0, nthreads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t tid = t0; tid < t1; ++tid) {
+      Scratch w;
+      w.s.resize(bq * kv_tile);
+      w.acc.resize(bq * dv);
+      w.m.resize(bq);
+      w.l.resize(bq);
+      if (!kF32) {
+        w.q.resize(bq * d);
+        w.k.resize(kv_tile * d);
+        w.v.resize(kv_tile * dv);
+      }
+      for (int64_t item = next.fetch_add(1); item < total; item = next.fetch_add(1)) {
+        int64_t b = 0;
+        while (item >= item_start[b + 1]) ++b;
+        const int64_t local = item - item_start[b];
+        const int64_t h = local / p.q_blocks[b], i = local % p.q_blocks[b];
+        const int64_t row = row_start[b] + i;
+        const int64_t rows = std::min(bq, p.q_lens[b] - i * bq);
+        const int64_t kvh = h / g;
+        const int64_t n_sel = num_all[row * n1 + h];
+        const int64_t* sel = idx_all + (row * n1 + h) * m_sel;
+        T* o_ptr = out_base + out_off[b] + h * out_head + i * bq * out_tok;
+        float* l_ptr = lse ? lse + lse_off[b] + h * lse_head + i * bq * lse_tok : nullptr;
+        if (n_sel == 0) {  // nothing selected: zeros, lse -inf
+          for (int64_t r = 0; r < rows; ++r) {
+            std::fill(o_ptr + r * out_tok, o_ptr + r * out_tok + dv, T(0));
+            if (l_ptr) l_ptr[r * lse_tok] = kNegInf;
+          }
+          continue;
+        }
+        // query tile
+        const float* q_tile;
+        int64_t ldq;
+        if constexpr (kF32) {
+          q_tile = Q.at(b, h, i * bq);
+          ldq = Q.tok_stride;
+        } else {
+          widen(Q.at(b, h, i * bq), Q.tok_stride, w.q.data(), d, rows, d);
+          q_tile = w.q.data();
+          ldq = d;
+        }
+        std::fill(w.m.begin(), w.m.begin() + rows, kNegInf);
+        std::fill(w.l.begin(), w.l.begin() + rows, 0.f);
+        bool first = true;
+        for (int64_t j = 0; j < n_sel;) {
+          // merge a run of consecutive blocks into one tile
+          const int64_t start = sel[j];
+          int64_t stop = start + 1;
+          ++j;
+          while (j < n_sel && sel[j] == stop && (stop + 1 - start) * bk <= kv_tile) {
+            ++stop;
+            ++j;
+          }
+          const int64_t tok0 = start * bk;
+          const int64_t kn = std::min(stop * bk, p.kv_lens[b]) - tok0;
+          const float *k_tile, *v_tile;
+          int64_t ldk, ldv;
+          if constexpr (kF32) {
+            k_tile = K.at(b, kvh, tok0);
+            v_tile = V.at(b, kvh, tok0);
+            ldk = K.tok_stride;
+            ldv = V.tok_stride;
+          } else {
+            widen(K.at(b, kvh, tok0), K.tok_stride, w.k.data(), d, kn, d);
+            widen(V.at(b, kvh, tok0), V.tok_stride, w.v.data(), dv, kn, dv);
+            k_tile = w.k.data();
+            v_tile = w.v.data();
+            ldk = d;
+            ldv = dv;
+          }
+          float* s = w.s.data();
+          // S (rows x kn, row stride kn) = scale * Q K^T
+          gemm_nt(rows, kn, d, scale, q_tile, ldq, k_tile, ldk, 0.f, s, kn);
+          // online softmax
+          for (int64_t r = 0; r < rows; ++r) {
+            float* sr = s + r * kn;
+            const float mx = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, sr, kn);
+            const float m_old = w.m[r];
+            const float m_new = std::max(m_old, mx);
+            // exp(s - m_new) in place and its sum
+            Vec vsum(0.f);
+            const Vec vm(m_new);
+            int64_t c = 0;
+            for (; c + Vec::size() <= kn; c += Vec::size()) {
+              Vec x = (Vec::loadu(sr + c) - vm).exp_u20();
+              x.store(sr + c);
+              vsum = vsum + x;
+            }
+            float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
+            for (; c < kn; ++c) {
+              sr[c] = std::exp(sr[c] - m_new);
+              sum += sr[c];
+            }
+            const float corr = first ? 0.f : std::exp(m_old - m_new);
+            w.l[r] = w.l[r] * corr + sum;
+            w.m[r] = m_new;
+            if (!first && corr != 1.f) {
+              float* ar = w.acc.data() + r * dv;
+              at::vec::map([corr](Vec x) { return x * Vec(corr); }, ar, ar, dv);
+            }
+          }
+          // acc (rows x dv) (+)= P V
+          gemm_nn(rows, dv, kn, 1.f, s, kn, v_tile, ldv, first ? 0.f : 1.f, w.acc.data(), dv);
+          first = false;
+        }
+        // normalise and store
+        for (int64_t r = 0; r < rows; ++r) {
+          const float inv = 1.f / w.l[r];
+          const float* ar = w.acc.data() + r * dv;
+          T* orow = o_ptr + r * out_tok;
+          if constexpr (kF32) {
+            at::vec::map([inv](Vec x) { return x * Vec(inv); }, orow, ar, dv);
+          } else {
+            float tmp[1024];
+            for (int64_t c0 = 0; c0 < dv; c0 += 1024) {
+              const int64_t cn = std::min<int64_t>(1024, dv - c0);
+              at::vec::map([inv](Vec x) { return x * Vec(inv); }, tmp, ar + c0, cn);
+              at::vec::convert(tmp, orow + c0, cn);
+            }
+          }
+          if (l_ptr) l_ptr[r * lse_tok] = w.m[r] + std::log(w.l[r]);
+        }
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> rain_fusion_attention_cpu(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& select_idx,
+    const at::Tensor& select_num_idx, at::IntArrayRef block_shape, const std::optional<at::Tensor>& atten_mask,
+    at::OptionalIntArrayRef actual_seq_lengths, at::OptionalIntArrayRef actual_seq_lengths_kv,
+    const std::optional<at::Tensor>& block_table, c10::string_view q_input_layout,
+    c10::string_view kv_input_layout, std::optional<int64_t> num_key_value_heads, int64_t mask_type,
+    std::optional<double> scale_value, int64_t inner_precise, int64_t block_size, bool return_lse) {
+  const RainFusionProblem p = validate_rain_fusion(
+      query, key, value, select_idx, select_num_idx, block_shape, atten_mask, actual_seq_lengths,
+      actual_seq_lengths_kv, block_table, q_input_layout, kv_input_layout, num_key_value_heads, mask_type,
+      scale_value, inner_precise, block_size, /*check_select=*/true);
+  auto last_dim_unit = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
+  const at::Tensor q = last_dim_unit(query), k = last_dim_unit(key), v = last_dim_unit(value);
+  const at::Tensor idx = select_idx.to(at::kLong).contiguous();
+  const at::Tensor num = select_num_idx.to(at::kLong).contiguous();
+  auto out_sizes = query.sizes().vec();
+  out_sizes.back() = value.size(-1);
+  at::Tensor out = at::empty(out_sizes, query.options());
+  at::Tensor lse;
+  if (return_lse) {
+    auto ls = query.sizes().vec();
+    ls.pop_back();
+    lse = at::empty(ls, query.options().dtype(at::kFloat));
+  } else {
+    lse = at::empty({0}, query.options().dtype(at::kFloat));
+  }
+  if (out.numel() == 0) return {out, lse};
+  if (idx.size(2) == 0) {  // no row selects anything
+    out.zero_();
+    if (return_lse) lse.fill_(-std::numeric_limits<float>::infinity());
+    return {out, lse};
+  }
+  float* lse_ptr = return_lse ? lse.data_ptr<float>() : nullptr;
+  switch (q.scalar_type()) {  // validate_rain_fusion admitted exactly these three
+    case at::kFloat: run_cpu<float>(p, q, k, v, idx, num, out, lse_ptr); break;
+    case at::kBFloat16: run_cpu<at::BFloat16>(p, q, k, v, idx, num, out, lse_ptr); break;
+    case at::kHalf: run_cpu<at::Half>(p, q, k, v, idx, num, out, lse_ptr); break;
+    default: TORCH_CHECK(false, "unreachable dtype ", q.scalar_type());
+  }
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(lite_boost, CPU, m) { m.impl("rain_fusion_attention", &rain_fusion_attention_cpu); }
+
+}  // namespace lite_boost

@@ -6,13 +6,17 @@ arguments are the aclnn arguments in the documented order. This module only deci
 arguments (:func:`aclnn_arguments`) and launches the op; the translation is tested on any machine
 against a pure-PyTorch executable specification of the documented contract (tests/aclnn_spec.py).
 
-Schema the csrc op must register (arguments in aclnn order, outputs aside)::
+The op's schema (csrc/ops.cpp; arguments in aclnn order, outputs aside)::
 
     lite_boost::rain_fusion_attention(Tensor query, Tensor key, Tensor value, Tensor select_idx,
-        Tensor select_num_idx, int[] block_shape, Tensor? atten_mask, int[]? actual_seq_lengths,
-        int[]? actual_seq_lengths_kv, Tensor? block_table, str q_input_layout, str kv_input_layout,
-        int num_key_value_heads, int mask_type, float scale_value, int inner_precise,
-        int block_size) -> Tensor
+        Tensor select_num_idx, int[] block_shape, Tensor? atten_mask=None, int[]? actual_seq_lengths=None,
+        int[]? actual_seq_lengths_kv=None, Tensor? block_table=None, str q_input_layout="TND",
+        str kv_input_layout="TND", int? num_key_value_heads=None, int mask_type=0,
+        float? scale_value=None, int inner_precise=0, int block_size=0, *, bool return_lse=False)
+        -> (Tensor attention_out, Tensor softmax_lse)
+
+Its PrivateUse1 kernel (csrc/npu/aclnn_translate.cpp) repeats every check below in C++ and is
+tested on CPU against an aclnn test double (tests/test_aclnn_double.py).
 
 Contract points the translation enforces: q/k/v FLOAT16 or BFLOAT16 of one dtype; layouts "TND"
 or "BNSD"; ``actualSeqLengths`` / ``actualSeqLengthsKv`` are per-batch lengths (not cumulative) and
@@ -100,10 +104,20 @@ def aclnn_arguments(query, key, value, select_idx, select_num_idx, block_shape, 
 
 
 def _op():
-    try:
-        return torch.ops.lite_boost.rain_fusion_attention
-    except (AttributeError, RuntimeError):
+    """``torch.ops.lite_boost.rain_fusion_attention`` when its Ascend kernel (csrc/npu) is built, else None."""
+    from . import _ext, _ext_npu
+
+    if not _ext.status().loaded or not _ext_npu.has_npu_kernel("rain_fusion_attention"):
         return None
+    return torch.ops.lite_boost.rain_fusion_attention
+
+
+def _not_built_reason() -> str:
+    from . import _ext
+
+    st = _ext.status()
+    why = st.reason if not st.loaded else st.npu
+    return f"the lite_boost csrc NPU op (torch.ops.lite_boost.rain_fusion_attention) is unavailable ({why})"
 
 
 def probe(device_type: str) -> str | None:
@@ -120,7 +134,7 @@ def probe(device_type: str) -> str | None:
     except Exception as exc:  # noqa: BLE001 - any failure means "not usable"
         return f"torch.npu.is_available() failed ({exc})"
     if _op() is None:
-        return "the lite_boost csrc NPU op (torch.ops.lite_boost.rain_fusion_attention) is not built"
+        return _not_built_reason()
     return None
 
 
@@ -129,5 +143,5 @@ def launch(call: AclnnCall) -> torch.Tensor:
     op = _op()
     if op is None:
         raise RuntimeError("torch.ops.lite_boost.rain_fusion_attention is not available")
-    out = op(*call.as_args())
-    return out[0] if isinstance(out, (tuple, list)) else out
+    out, _ = op(*call.as_args())  # (attention_out, softmax_lse); the Ascend kernel leaves softmax_lse empty
+    return out

@@ -133,10 +133,24 @@ def _fa2_impl(q, k, v, scale):
     return mod.flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=False)
 
 
+def _pfa_op():
+    """``torch.ops.lite_boost.prompt_flash_attention`` when its Ascend kernel (csrc/npu) is built, else None."""
+    from . import _ext, _ext_npu
+
+    if not _ext.status().loaded or not _ext_npu.has_npu_kernel("prompt_flash_attention"):
+        return None
+    return torch.ops.lite_boost.prompt_flash_attention
+
+
 def _npu_impl(q, k, v, scale):
-    torch_npu = _module_or_none("torch_npu")
     # The documented default scale_value is 1.0 (not head_dim ** -0.5): always pass it.
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    op = _pfa_op()
+    if op is not None:  # lite_boost's Ascend kernel: aclnnPromptFlashAttentionV3, as torch_npu calls it
+        return op(q, k, v, num_heads=q.shape[2], num_key_value_heads=k.shape[2], input_layout="BSND",
+                  scale_value=scale, pre_tokens=_FULL_WINDOW, next_tokens=_FULL_WINDOW)
+    # Fallback when the lite_boost NPU library is not built: torch_npu's own operator (same aclnn entry).
+    torch_npu = _module_or_none("torch_npu")
     return torch_npu.npu_prompt_flash_attention(
         q,
         k,
@@ -201,7 +215,8 @@ BACKENDS: dict[str, BackendSpec] = {
         BackendSpec("fa2", ("cuda",), _HALF_DTYPES, 256, 8, None, True, _probe_fa2, _fa2_impl,
                     "FlashAttention-2 (flash_attn.flash_attn_func)"),
         BackendSpec("npu", ("npu",), _HALF_DTYPES, 512, 1, 256, True, _probe_npu, _npu_impl,
-                    "Ascend torch_npu.npu_prompt_flash_attention, BSND, full bidirectional"),
+                    "Ascend prompt flash attention (torch.ops.lite_boost.prompt_flash_attention when its NPU kernel "
+                    "is built, else torch_npu.npu_prompt_flash_attention), BSND, full bidirectional"),
         BackendSpec("sdpa", ("cpu", "cuda", "npu", "mps", "xpu"), _FLOAT_DTYPES, 1 << 16, 1, None, True,
                     _probe_sdpa, _sdpa_impl, "torch.nn.functional.scaled_dot_product_attention"),
     )

@@ -26,7 +26,7 @@ __all__ = [
 # importing the ops package). ``lite_boost.ops.attention`` registers exactly these.
 ATTENTION_BACKEND_NAMES = ("fa3", "fa2", "npu", "sdpa")
 # Block-sparse kernels of ``lite_boost.ops.rain_fusion_attention`` (same reason).
-SPARSE_BACKEND_NAMES = ("npu", "flex", "gather", "reference")
+SPARSE_BACKEND_NAMES = ("npu", "cpp", "flex", "gather", "reference")
 SPARSE_TYPES = (None, "rf_v2")
 
 
@@ -107,8 +107,8 @@ class SparseConfig(_ConfigMixin):
     dense_layers: indices of transformer blocks that always use dense attention.
     mask_reuse_steps: a computed block mask is reused for this many steps (1 = recompute every step).
     min_seq_len: sequences shorter than this use dense attention (mask overhead would dominate).
-    backend: block-sparse kernel ("npu", "flex", "gather", "reference") or None = automatic
-        (npu -> flex -> gather, also settable with LITE_BOOST_SPARSE_BACKEND).
+    backend: block-sparse kernel ("npu", "cpp", "flex", "gather", "reference") or None = automatic
+        (npu -> cpp -> flex -> gather, also settable with LITE_BOOST_SPARSE_BACKEND).
     """
 
     sparse_type: str | None = "rf_v2"

@@ -290,9 +290,11 @@ def test_backend_override_order(monkeypatch):
     with pytest.raises(ValueError, match=rf.ENV_VAR):
         rf.select_sparse_backend(q)
     monkeypatch.delenv(rf.ENV_VAR)
-    expected = "flex" if rf.FLEX.probe("cpu") is None else "gather"
+    cpp = rf.available_sparse_backends("cpu")["cpp"] is None  # the C++ kernel comes first once built
+    expected = "cpp" if cpp else "flex" if rf.FLEX.probe("cpu") is None else "gather"
     assert rf.select_sparse_backend(q) == expected
-    assert rf.select_sparse_backend(q, return_lse=True) == "gather"  # flex on CPU has no lse
+    # flex on CPU has no lse; the C++ kernel has
+    assert rf.select_sparse_backend(q, return_lse=True) == ("cpp" if cpp else "gather")
     with pytest.raises(ValueError, match="backend must be one of"):
         rf.select_sparse_backend(q, backend="triton")
 

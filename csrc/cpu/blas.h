@@ -8,6 +8,13 @@
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
                        const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
                        const float* beta, float* c, const int* ldc) __attribute__((weak));
+// MKL's mixed-precision GEMMs (16-bit inputs, fp32 accumulation and output), exported by x86 libtorch.
+extern "C" void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n, int k, float alpha,
+                                       const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
+                                       int ldc) __attribute__((weak));
+extern "C" void cblas_gemm_f16f16f32(int layout, int transa, int transb, int m, int n, int k, float alpha,
+                                     const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
+                                     int ldc) __attribute__((weak));
 
 namespace lite_boost {
 
@@ -43,6 +50,25 @@ inline void gemm_nn(int64_t m, int64_t n, int64_t k, float alpha, const float* a
   at::Tensor B = at::from_blob(const_cast<float*>(b), {k, n}, {ldb, 1}, f);
   at::Tensor C = at::from_blob(c, {m, n}, {ldc, 1}, f);
   C.addmm_(A, B, beta, alpha);
+}
+
+// 16-bit GEMMs with fp32 output, row-major. Available when libtorch carries MKL.
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
+
+template <typename T>
+inline bool have_half_gemm() {
+  if constexpr (std::is_same_v<T, at::BFloat16>) return cblas_gemm_bf16bf16f32 != nullptr;
+  if constexpr (std::is_same_v<T, at::Half>) return cblas_gemm_f16f16f32 != nullptr;
+  return false;
+}
+
+template <typename T>
+inline void half_gemm(bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const T* a, int64_t lda, const T* b,
+                      int64_t ldb, float beta, float* c, int64_t ldc) {
+  auto fn = std::is_same_v<T, at::BFloat16> ? cblas_gemm_bf16bf16f32 : cblas_gemm_f16f16f32;
+  fn(kRowMajor, kNoTrans, trans_b ? kTrans : kNoTrans, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+     alpha, reinterpret_cast<const uint16_t*>(a), static_cast<int>(lda), reinterpret_cast<const uint16_t*>(b),
+     static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
 }
 
 }  // namespace lite_boost

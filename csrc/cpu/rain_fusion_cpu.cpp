@@ -16,6 +16,9 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <string>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -58,14 +61,37 @@ Operand<T> make_operand(const at::Tensor& x, const std::string& layout, const st
   return o;
 }
 
-// rows x cols (row stride ld_src) of T -> fp32 (row stride ld_dst), vectorised.
+// n 16-bit values -> fp32 and back, vectorised (at::vec::convert's generic form is a scalar loop).
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  using VT = at::vec::Vectorized<T>;
+  int64_t i = 0;
+  for (; i + VT::size() <= n; i += VT::size()) {
+    auto [lo, hi] = at::vec::convert_to_float<T>(VT::loadu(src + i));
+    lo.store(dst + i);
+    hi.store(dst + i + Vec::size());
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+inline void from_float(const float* src, T* dst, int64_t n) {
+  using VT = at::vec::Vectorized<T>;
+  int64_t i = 0;
+  for (; i + VT::size() <= n; i += VT::size()) {
+    at::vec::convert_from_float<T>(Vec::loadu(src + i), Vec::loadu(src + i + Vec::size())).store(dst + i);
+  }
+  for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+// rows x cols (row stride ld_src) of T -> fp32 (row stride ld_dst).
 template <typename T>
 inline void widen(const T* src, int64_t ld_src, float* dst, int64_t ld_dst, int64_t rows, int64_t cols) {
   for (int64_t r = 0; r < rows; ++r) {
     if constexpr (std::is_same_v<T, float>) {
       std::memcpy(dst + r * ld_dst, src + r * ld_src, cols * sizeof(float));
     } else {
-      at::vec::convert(src + r * ld_src, dst + r * ld_dst, cols);
+      to_float(src + r * ld_src, dst + r * ld_dst, cols);
     }
   }
 }
@@ -118,7 +144,16 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
   const float scale = static_cast<float>(p.scale);
   constexpr bool kF32 = std::is_same_v<T, float>;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const int64_t kv_tile = std::max<int64_t>(kMaxKvTile / bk, 1) * bk;
+  int64_t max_tile = kMaxKvTile;
+  if (const char* e = std::getenv("LITE_BOOST_RF_KV_TILE")) max_tile = std::max<int64_t>(std::atoll(e), 1);
+  const int64_t kv_tile = std::max<int64_t>(max_tile / bk, 1) * bk;
+  // fp16/bf16: MKL's 16-bit GEMMs read the inputs in place (P is rounded to the input dtype before P V,
+  // as PyTorch's own CPU flash attention does); otherwise tiles are widened to fp32 for sgemm.
+  bool half_mode = false;
+  if constexpr (!std::is_same_v<T, float>) {
+    const char* e = std::getenv("LITE_BOOST_RF_HALF_GEMM");
+    half_mode = have_half_gemm<T>() && !(e && std::string(e) == "0");
+  }
   std::atomic<int64_t> next{0};
   const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(total, 1));
 
@@ -129,7 +164,9 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
       w.acc.resize(bq * dv);
       w.m.resize(bq);
       w.l.resize(bq);
-      if (!kF32) {
+      std::vector<T> p16;
+      if (half_mode) p16.resize(bq * kv_tile);
+      if (!kF32 && !half_mode) {
         w.q.resize(bq * d);
         w.k.resize(kv_tile * d);
         w.v.resize(kv_tile * dv);
@@ -154,12 +191,12 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
           continue;
         }
         // query tile
-        const float* q_tile;
-        int64_t ldq;
+        const float* q_tile = nullptr;
+        int64_t ldq = 0;
         if constexpr (kF32) {
           q_tile = Q.at(b, h, i * bq);
           ldq = Q.tok_stride;
-        } else {
+        } else if (!half_mode) {
           widen(Q.at(b, h, i * bq), Q.tok_stride, w.q.data(), d, rows, d);
           q_tile = w.q.data();
           ldq = d;
@@ -178,14 +215,14 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
           }
           const int64_t tok0 = start * bk;
           const int64_t kn = std::min(stop * bk, p.kv_lens[b]) - tok0;
-          const float *k_tile, *v_tile;
-          int64_t ldk, ldv;
+          const float *k_tile = nullptr, *v_tile = nullptr;
+          int64_t ldk = 0, ldv = 0;
           if constexpr (kF32) {
             k_tile = K.at(b, kvh, tok0);
             v_tile = V.at(b, kvh, tok0);
             ldk = K.tok_stride;
             ldv = V.tok_stride;
-          } else {
+          } else if (!half_mode) {
             widen(K.at(b, kvh, tok0), K.tok_stride, w.k.data(), d, kn, d);
             widen(V.at(b, kvh, tok0), V.tok_stride, w.v.data(), dv, kn, dv);
             k_tile = w.k.data();
@@ -195,7 +232,16 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
           }
           float* s = w.s.data();
           // S (rows x kn, row stride kn) = scale * Q K^T
-          gemm_nt(rows, kn, d, scale, q_tile, ldq, k_tile, ldk, 0.f, s, kn);
+          if constexpr (!kF32) {
+            if (half_mode) {
+              half_gemm<T>(true, rows, kn, d, scale, Q.at(b, h, i * bq), Q.tok_stride, K.at(b, kvh, tok0),
+                           K.tok_stride, 0.f, s, kn);
+            } else {
+              gemm_nt(rows, kn, d, scale, q_tile, ldq, k_tile, ldk, 0.f, s, kn);
+            }
+          } else {
+            gemm_nt(rows, kn, d, scale, q_tile, ldq, k_tile, ldk, 0.f, s, kn);
+          }
           // online softmax
           for (int64_t r = 0; r < rows; ++r) {
             float* sr = s + r * kn;
@@ -225,7 +271,17 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
             }
           }
           // acc (rows x dv) (+)= P V
-          gemm_nn(rows, dv, kn, 1.f, s, kn, v_tile, ldv, first ? 0.f : 1.f, w.acc.data(), dv);
+          if constexpr (!kF32) {
+            if (half_mode) {
+              from_float(s, p16.data(), rows * kn);
+              half_gemm<T>(false, rows, dv, kn, 1.f, p16.data(), kn, V.at(b, kvh, tok0), V.tok_stride,
+                           first ? 0.f : 1.f, w.acc.data(), dv);
+            } else {
+              gemm_nn(rows, dv, kn, 1.f, s, kn, v_tile, ldv, first ? 0.f : 1.f, w.acc.data(), dv);
+            }
+          } else {
+            gemm_nn(rows, dv, kn, 1.f, s, kn, v_tile, ldv, first ? 0.f : 1.f, w.acc.data(), dv);
+          }
           first = false;
         }
         // normalise and store
@@ -240,7 +296,7 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
             for (int64_t c0 = 0; c0 < dv; c0 += 1024) {
               const int64_t cn = std::min<int64_t>(1024, dv - c0);
               at::vec::map([inv](Vec x) { return x * Vec(inv); }, tmp, ar + c0, cn);
-              at::vec::convert(tmp, orow + c0, cn);
+              from_float(tmp, orow + c0, cn);
             }
           }
           if (l_ptr) l_ptr[r * lse_tok] = w.m[r] + std::log(w.l[r]);

@@ -36,7 +36,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ExtStatus", "load", "status", "csrc_dir", "cache_dir", "require_ext", "REQUIRE_ENV", "DISABLE_ENV"]
+__all__ = ["ExtStatus", "load", "status", "cpu_kernel_reason", "csrc_dir", "cache_dir", "require_ext", "REQUIRE_ENV", "DISABLE_ENV"]
 
 LIB_NAME = "lite_boost_ops"
 NPU_LIB_NAME = "lite_boost_npu"
@@ -143,9 +143,9 @@ def _build(name: str, sources: list[str], build_dir: Path, **kwargs) -> str:
     os.environ.setdefault("MAX_JOBS", "2")
     verbose = os.environ.get("LITE_BOOST_EXT_VERBOSE", "") == "1"
     with _FileLock(build_dir / "lite_boost_build.lock"):
-        cpp_extension.load(name=name, sources=sources, build_directory=str(build_dir), is_python_module=False,
-                           verbose=verbose, **kwargs)
-    return str(build_dir / f"{name}.so")
+        path = cpp_extension.load(name=name, sources=sources, build_directory=str(build_dir), is_python_module=False,
+                                  verbose=verbose, **kwargs)
+    return str(path) if isinstance(path, (str, os.PathLike)) else str(build_dir / f"{name}.so")
 
 
 def _kernels() -> dict:
@@ -227,6 +227,19 @@ def load() -> ExtStatus:
         return _fail(f"build failed: {exc.__class__.__name__}: {text[-800:]}")
     npu = _load_npu(build_root)
     return ExtStatus(True, None, path, _kernels(), npu)
+
+
+def cpu_kernel_reason(op: str) -> str | None:
+    """None if ``torch.ops.lite_boost.<op>`` has a CPU kernel (building the library at first use), else why not.
+
+    Raises when the library is required (``LITE_BOOST_REQUIRE_EXT=1``) but cannot be built.
+    """
+    st = load()
+    if not st.loaded:
+        return f"the lite_boost C++ operator library is not built ({st.reason})"
+    if "CPU" not in st.kernels.get(op, ()):
+        return f"torch.ops.lite_boost.{op} has no CPU kernel"
+    return None
 
 
 def status() -> ExtStatus:

@@ -11,6 +11,10 @@ nothing outputs zeros.
 Backends (chosen per call; first usable in this order unless forced):
 
 * ``"npu"``: the Ascend operator through our csrc op (float16/bfloat16 on an NPU);
+* ``"cpp"``: the CPU kernel of the compiled ``torch.ops.lite_boost.rain_fusion_attention`` (csrc/cpu:
+  flash-style online softmax over the selected blocks only, fp32 accumulation; float32, float16,
+  bfloat16; returns the log-sum-exp; inference only). Usable once the library is built (see
+  ``lite_boost/ops/_ext.py``; it builds at first use when ``scripts/setup.sh`` has not);
 * ``"flex"``: ``torch.compile``-d FlexAttention built from the block indices (CPU and CUDA; never
   run uncompiled; inference only; no log-sum-exp on CPU);
 * ``"gather"``: pure PyTorch, gathers the selected K/V blocks per group of query blocks and runs
@@ -33,7 +37,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import _sparse_npu
+from . import _ext, _sparse_npu
 from ._flex import FLEX
 from ._override import BackendOverride
 from ._sparse_kernels import dense_masked_attention, gather_attention
@@ -46,13 +50,14 @@ __all__ = [
     "sparse_backend",
     "select_sparse_backend",
     "available_sparse_backends",
+    "backend_report",
 ]
 
 logger = logging.getLogger("lite_boost.sparse")
 
 ENV_VAR = "LITE_BOOST_SPARSE_BACKEND"
-SPARSE_BACKENDS = ("npu", "flex", "gather", "reference")
-_AUTO_ORDER = ("npu", "flex", "gather")
+SPARSE_BACKENDS = ("npu", "cpp", "flex", "gather", "reference")
+_AUTO_ORDER = ("npu", "cpp", "flex", "gather")
 LAYOUTS = ("TND", "BNSD")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Per-call argument > ``with sparse_backend(...)`` > LITE_BOOST_SPARSE_BACKEND.
@@ -312,6 +317,13 @@ def _run_flex(query, key, value, select_idx, select_num, p, need_lse):
     return out, lse
 
 
+def _run_cpp(query, key, value, select_idx, select_num, p, need_lse):
+    out, lse = torch.ops.lite_boost.rain_fusion_attention(
+        query, key, value, select_idx, select_num, list(p.block_shape), None, list(p.q_lens), list(p.kv_lens), None,
+        p.q_layout, p.kv_layout, p.n2, 0, p.scale, p.inner_precise, 0, return_lse=need_lse)
+    return out, (lse if need_lse else None)
+
+
 def _run_npu(query, key, value, select_idx, select_num, p, need_lse):
     call = _sparse_npu.aclnn_arguments(query, key, value, select_idx, select_num, p.block_shape, p.q_lens,
                                        p.kv_lens, p.q_layout, p.kv_layout, p.n2, p.scale, p.inner_precise)
@@ -343,6 +355,14 @@ def _reject_npu(c: _Context) -> str | None:
     return _sparse_npu.probe(c.device_type)
 
 
+def _reject_cpp(c: _Context) -> str | None:
+    if c.device_type != "cpu":
+        return f"wrong device: needs cpu, got {c.device_type}"
+    if c.needs_grad:
+        return "the C++ kernel is inference-only (inputs require grad)"
+    return _ext.cpu_kernel_reason("rain_fusion_attention")
+
+
 def _reject_flex(c: _Context) -> str | None:
     if c.device_type not in ("cpu", "cuda"):
         return f"wrong device: needs cpu or cuda, got {c.device_type}"
@@ -371,6 +391,7 @@ _BACKENDS = {
     b.name: b
     for b in (
         _Backend("npu", _reject_npu, _run_npu, "aclnnRainFusionAttention via torch.ops.lite_boost (Ascend)"),
+        _Backend("cpp", _reject_cpp, _run_cpp, "torch.ops.lite_boost C++ block-sparse flash kernel (CPU)"),
         _Backend("flex", _reject_flex, _run_flex, "torch.compile(flex_attention) from block indices (CPU/CUDA)"),
         _Backend("gather", _reject_any, _run_gather, "pure PyTorch gather of selected blocks, fp32 softmax"),
         _Backend("reference", _reject_any, _run_reference, "dense masked fp64 softmax (tests only)"),
@@ -417,6 +438,13 @@ def available_sparse_backends(device="cpu", dtype=torch.float32) -> dict[str, st
     """Map backend name -> None if usable for a plain inference call on ``device``/``dtype``, else why not."""
     c = _Context(torch.device(device).type, dtype, False, False, (128, 128), 1, 1, 0)
     return {n: _BACKENDS[n].rejects(c) for n in SPARSE_BACKENDS}
+
+
+def backend_report(device="cpu", dtype=torch.float32) -> list[tuple[str, str, str]]:
+    """(name, "usable" or "off: why", description) per backend for a plain inference call."""
+    usable = available_sparse_backends(device, dtype)
+    return [(n, "usable" if usable[n] is None else f"off: {usable[n]}", _BACKENDS[n].description)
+            for n in SPARSE_BACKENDS]
 
 
 def sparse_backend(name: str | None):
@@ -476,8 +504,8 @@ def rain_fusion_attention(query, key, value, select_idx, select_num_idx, block_s
         inner_precise: 0 = fp32 softmax (required for bfloat16 on Ascend), 1 = fp16 softmax on
             Ascend; the CPU/CUDA backends always accumulate in fp32.
         return_lse: also return the natural-log log-sum-exp of each query row (fp32). Restricts
-            the choice to backends that produce it ("gather", "reference", "flex" on CUDA).
-        backend: force "npu", "flex", "gather" or "reference" (None = context manager, env var,
+            the choice to backends that produce it ("cpp", "gather", "reference", "flex" on CUDA).
+        backend: force "npu", "cpp", "flex", "gather" or "reference" (None = context manager, env var,
             automatic).
 
     Returns:

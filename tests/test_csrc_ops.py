@@ -1,0 +1,507 @@
+"""The compiled operator library (csrc/): torch.ops.lite_boost.rain_fusion_attention and prompt_flash_attention.
+
+The CPU kernels are checked against independent references: the dense masked fp64 oracle of the
+Python API (``backend="reference"``) for the block-sparse op, and the executable specification of
+``npu_prompt_flash_attention`` (tests/attention_specs.py) plus an fp64 masked softmax for the dense op.
+When the library cannot be built the kernel tests skip, except under ``LITE_BOOST_REQUIRE_EXT=1``
+(CI), where a missing library fails the first test instead.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lite_boost.ops import _ext
+from lite_boost.ops import rain_fusion as rf
+from lite_boost.ops.rain_fusion import SparseBackendError, rain_fusion_attention
+
+from attention_specs import make_torch_npu, reference_attention
+
+
+@pytest.fixture(scope="module")
+def lib():
+    st_ = _ext.load()  # raises under LITE_BOOST_REQUIRE_EXT=1 when the library cannot be built
+    if not st_.loaded:
+        pytest.skip(f"lite_boost operator library unavailable: {st_.reason}")
+    return torch.ops.lite_boost
+
+
+# --------------------------------------------------------------------------------------------- #
+# helpers                                                                                        #
+# --------------------------------------------------------------------------------------------- #
+
+
+def _selection(gen, q_lens, kv_lens, bq, bk, heads, mode):
+    """select_idx / select_num over all batches. mode: random, zero, one, all, mixed (per-row choice)."""
+    nkb = [math.ceil(x / bk) for x in kv_lens]
+    width = max(nkb + [1])
+    idx_parts, num_parts = [], []
+    for lq, n in zip(q_lens, nkb):
+        rows = math.ceil(lq / bq)
+        if mode == "mixed":
+            kind = torch.randint(0, 4, (rows, heads), generator=gen)
+        else:
+            kind = torch.full((rows, heads), {"zero": 0, "one": 1, "all": 2, "random": 3}[mode])
+        density = torch.rand(rows, heads, 1, generator=gen)
+        pick = torch.rand(rows, heads, max(n, 1), generator=gen)[..., :n] < density
+        one = torch.zeros(rows, heads, n, dtype=torch.bool)
+        if n:
+            one.scatter_(2, torch.randint(0, n, (rows, heads, 1), generator=gen), True)
+        keep = torch.where((kind == 0)[..., None], torch.zeros_like(pick), pick)
+        keep = torch.where((kind == 1)[..., None], one, keep)
+        keep = torch.where((kind == 2)[..., None], torch.ones_like(pick), keep)
+        num = keep.sum(-1)
+        ar = torch.arange(n)
+        order = torch.where(keep, ar, n + ar).sort(-1).values
+        idx = torch.where(order >= n, torch.full_like(order, -1), order)
+        idx_parts.append(torch.nn.functional.pad(idx, (0, width - n), value=-1))
+        num_parts.append(num)
+    return torch.cat(idx_parts), torch.cat(num_parts)
+
+
+def _problem(gen, layout, q_lens, kv_lens, n2, g, d, dv, dtype):
+    n1 = n2 * g
+    if layout == "TND":
+        q = torch.randn(sum(q_lens), n1, d, generator=gen)
+        k = torch.randn(sum(kv_lens), n2, d, generator=gen)
+        v = torch.randn(sum(kv_lens), n2, dv, generator=gen)
+    else:
+        q = torch.randn(len(q_lens), n1, q_lens[0], d, generator=gen)
+        k = torch.randn(len(kv_lens), n2, kv_lens[0], d, generator=gen)
+        v = torch.randn(len(kv_lens), n2, kv_lens[0], dv, generator=gen)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _op_call(lib, q, k, v, idx, num, bs, layout, q_lens, kv_lens, scale=None, return_lse=True):
+    lens = dict(actual_seq_lengths=q_lens, actual_seq_lengths_kv=kv_lens) if layout == "TND" else {}
+    return lib.rain_fusion_attention(q, k, v, idx, num, list(bs), q_input_layout=layout, kv_input_layout=layout,
+                                     num_key_value_heads=k.shape[1], scale_value=scale, return_lse=return_lse, **lens)
+
+
+def _reference(q, k, v, idx, num, bs, layout, q_lens, kv_lens, scale=None):
+    lens = dict(actual_seq_lengths=q_lens, actual_seq_lengths_kv=kv_lens) if layout == "TND" else {}
+    return rain_fusion_attention(q, k, v, idx, num, bs, q_input_layout=layout, kv_input_layout=layout,
+                                 scale_value=scale, return_lse=True, backend="reference", **lens)
+
+
+@st.composite
+def sparse_cases(draw):
+    layout = draw(st.sampled_from(["TND", "BNSD"]))
+    bq = draw(st.sampled_from([8, 16, 32]))
+    bk = draw(st.sampled_from([8, 16, 32]))
+    batch = draw(st.integers(1, 3))
+    if layout == "TND":
+        q_lens = draw(st.lists(st.integers(1, 80), min_size=batch, max_size=batch))
+        kv_lens = draw(st.lists(st.integers(1, 80), min_size=batch, max_size=batch))
+    else:
+        q_lens = [draw(st.integers(1, 80))] * batch
+        kv_lens = [draw(st.integers(1, 80))] * batch
+    return dict(layout=layout, bs=(bq, bk), q_lens=q_lens, kv_lens=kv_lens, n2=draw(st.sampled_from([1, 2])),
+                g=draw(st.sampled_from([1, 2, 3])), d=draw(st.sampled_from([24, 64, 128])),
+                dv_same=draw(st.booleans()), mode=draw(st.sampled_from(["random", "zero", "one", "all", "mixed"])),
+                scale=draw(st.sampled_from([None, 0.07])), seed=draw(st.integers(0, 2**31 - 1)))
+
+
+# --------------------------------------------------------------------------------------------- #
+# rain_fusion_attention CPU kernel vs the reference                                              #
+# --------------------------------------------------------------------------------------------- #
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=sparse_cases())
+def test_cpu_kernel_matches_reference_fp32(lib, case):
+    gen = torch.Generator().manual_seed(case["seed"])
+    dv = case["d"] if case["dv_same"] else 40
+    q, k, v = _problem(gen, case["layout"], case["q_lens"], case["kv_lens"], case["n2"], case["g"], case["d"], dv,
+                       torch.float32)
+    idx, num = _selection(gen, case["q_lens"], case["kv_lens"], *case["bs"], q.shape[1], case["mode"])
+    out, lse = _op_call(lib, q, k, v, idx, num, case["bs"], case["layout"], case["q_lens"], case["kv_lens"],
+                        case["scale"])
+    ref, ref_lse = _reference(q, k, v, idx, num, case["bs"], case["layout"], case["q_lens"], case["kv_lens"],
+                              case["scale"])
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)  # -inf where nothing is selected
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("layout", ["TND", "BNSD"])
+def test_cpu_kernel_half_dtypes(lib, dtype, tol, layout):
+    gen = torch.Generator().manual_seed(3)
+    q_lens, kv_lens = ([70, 33], [45, 90]) if layout == "TND" else ([70, 70], [90, 90])
+    q, k, v = _problem(gen, layout, q_lens, kv_lens, 2, 2, 64, 64, dtype)
+    idx, num = _selection(gen, q_lens, kv_lens, 16, 16, 4, "mixed")
+    out, lse = _op_call(lib, q, k, v, idx, num, (16, 16), layout, q_lens, kv_lens)
+    ref, ref_lse = _reference(q, k, v, idx, num, (16, 16), layout, q_lens, kv_lens)  # fp64 of the same inputs
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_cpu_kernel_larger_blocks_and_long_runs(lib):
+    """128-token blocks, head dim 128, runs of consecutive blocks longer than one tile, strided input."""
+    gen = torch.Generator().manual_seed(4)
+    q_lens = kv_lens = [1000]
+    base = torch.randn(1, 1000, 3, 128, generator=gen)  # BSND storage viewed as BNSD (strided)
+    q = base.transpose(1, 2)
+    k = torch.randn(1, 1, 1000, 128, generator=gen)
+    v = torch.randn(1, 1, 1000, 128, generator=gen)
+    idx, num = _selection(gen, q_lens, kv_lens, 128, 128, 3, "mixed")
+    idx[0, 0], num[0, 0] = torch.arange(8), 8  # one run of 8 blocks (> 512 tokens): split into tiles
+    out, lse = _op_call(lib, q, k, v, idx, num, (128, 128), "BNSD", q_lens, kv_lens)
+    ref, ref_lse = _reference(q, k, v, idx, num, (128, 128), "BNSD", q_lens, kv_lens)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_without_lse_returns_empty_and_same_output(lib):
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = _problem(gen, "BNSD", [40], [40], 1, 2, 24, 24, torch.float32)
+    idx, num = _selection(gen, [40], [40], 8, 8, 2, "random")
+    out, lse = _op_call(lib, q, k, v, idx, num, (8, 8), "BNSD", [40], [40], return_lse=False)
+    out2, _ = _op_call(lib, q, k, v, idx, num, (8, 8), "BNSD", [40], [40])
+    assert lse.shape == (0,) and lse.dtype == torch.float32
+    torch.testing.assert_close(out, out2, atol=0, rtol=0)
+
+
+def test_int32_select_arrays_and_case_insensitive_layout(lib):
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = _problem(gen, "TND", [30], [30], 1, 1, 24, 24, torch.float32)
+    idx, num = _selection(gen, [30], [30], 8, 8, 1, "random")
+    out, _ = lib.rain_fusion_attention(q, k, v, idx.int(), num.int(), [8, 8], q_input_layout="tnd",
+                                       kv_input_layout="tnd")
+    ref, _ = _reference(q, k, v, idx, num, (8, 8), "TND", [30], [30])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_python_api_uses_the_cpp_backend_automatically_on_cpu(lib):
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = _problem(gen, "TND", [50, 20], [50, 20], 2, 1, 64, 64, torch.float32)
+    idx, num = _selection(gen, [50, 20], [50, 20], 16, 16, 2, "random")
+    assert rf.select_sparse_backend(q, k) == "cpp"
+    assert rf.select_sparse_backend(q, k, return_lse=True) == "cpp"  # the C++ kernel returns the lse
+    out, lse = rain_fusion_attention(q, k, v, idx, num, [16, 16], actual_seq_lengths=[50, 20], return_lse=True)
+    ref, ref_lse = _reference(q, k, v, idx, num, (16, 16), "TND", [50, 20], [50, 20])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    # inference-only: with grad the automatic choice moves on, a forced cpp is refused with the reason
+    qg = q.clone().requires_grad_(True)
+    assert rf.select_sparse_backend(qg, k) == "gather"
+    with pytest.raises(SparseBackendError, match="inference-only"):
+        rf.select_sparse_backend(qg, k, backend="cpp")
+
+
+# --------------------------------------------------------------------------------------------- #
+# bad input: the kernel checks every argument with the Python API's messages                     #
+# --------------------------------------------------------------------------------------------- #
+
+
+def _good_args():
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = _problem(gen, "TND", [20, 12], [20, 12], 1, 2, 8, 8, torch.float32)
+    idx, num = _selection(gen, [20, 12], [20, 12], 8, 8, 2, "all")
+    return dict(query=q, key=k, value=v, select_idx=idx, select_num_idx=num, block_shape=[8, 8],
+                actual_seq_lengths=[20, 12], actual_seq_lengths_kv=[20, 12], q_input_layout="TND",
+                kv_input_layout="TND")
+
+
+def _bad(name):
+    a = _good_args()
+    idx, num = a["select_idx"].clone(), a["select_num_idx"].clone()
+    if name == "select_idx dtype":
+        a["select_idx"] = idx.float()
+    elif name == "select_num dtype":
+        a["select_num_idx"] = num.to(torch.int16)
+    elif name == "out of range":
+        idx[1, 0, 2] = 7
+        a["select_idx"] = idx
+    elif name == "out of range, second batch":
+        idx[4, 1, 1] = 2  # batch 1 has 2 kv blocks
+        a["select_idx"] = idx
+    elif name == "unsorted":
+        idx[0, 1, :2] = torch.tensor([1, 0])
+        a["select_idx"] = idx
+    elif name == "bad padding":
+        num[2, 0] = 1
+        a["select_num_idx"] = num
+    elif name == "count above width":
+        num[0, 0] = 9
+        a["select_num_idx"] = num
+    elif name == "negative count":
+        num[3, 1] = -1
+        a["select_num_idx"] = num
+    elif name == "select shape":
+        a["select_idx"] = idx[:-1]
+    elif name == "select_num shape":
+        a["select_num_idx"] = num[:, :1]
+    elif name == "mismatched heads":
+        a["key"] = torch.randn(32, 3, 8)
+        a["value"] = torch.randn(32, 3, 8)
+    elif name == "num_key_value_heads":
+        a["num_key_value_heads"] = 2
+    elif name == "unknown layout":
+        a["q_input_layout"] = "BSND"
+    elif name == "wrong rank":
+        a["query"] = a["query"][None]
+    elif name == "qkv dtype":
+        a["query"] = a["query"].double()
+    elif name == "mixed dtype":
+        a["key"] = a["key"].half()
+    elif name == "head dim":
+        a["key"] = torch.randn(32, 1, 16)
+        a["value"] = torch.randn(32, 1, 16)
+    elif name == "kv shape":
+        a["value"] = torch.randn(31, 1, 8)
+    elif name == "lengths sum":
+        a["actual_seq_lengths"] = [20, 11]
+    elif name == "negative length":
+        a["actual_seq_lengths_kv"] = [-1, 33]
+    elif name == "batches":
+        a["actual_seq_lengths_kv"] = [32]
+    elif name == "block_shape":
+        a["block_shape"] = [8, 0]
+    elif name == "atten_mask":
+        a["attn_mask"] = torch.ones(2, 2, dtype=torch.bool)
+    elif name == "block_table":
+        a["block_table"] = torch.zeros(1, 1, dtype=torch.int32)
+    elif name == "mask_type":
+        a["mask_type"] = 1
+    elif name == "inner_precise":
+        a["inner_precise"] = 2
+    elif name == "scale":
+        a["scale_value"] = -1.0
+    else:
+        raise AssertionError(name)
+    return a
+
+
+BAD = ["select_idx dtype", "select_num dtype", "out of range", "out of range, second batch", "unsorted",
+       "bad padding", "count above width", "negative count", "select shape", "select_num shape",
+       "mismatched heads", "num_key_value_heads", "unknown layout", "wrong rank", "qkv dtype", "mixed dtype",
+       "head dim", "kv shape", "lengths sum", "negative length", "batches", "block_shape", "atten_mask",
+       "block_table", "mask_type", "inner_precise", "scale"]
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_input_same_error_as_python_api(lib, name):
+    a = _bad(name)
+    with pytest.raises((TypeError, ValueError)) as py_err:
+        rain_fusion_attention(**a, backend="gather")
+    op_args = dict(a)
+    if "attn_mask" in op_args:
+        op_args["atten_mask"] = op_args.pop("attn_mask")
+    with pytest.raises(type(py_err.value)) as cpp_err:
+        lib.rain_fusion_attention(**op_args)
+    py_msg, cpp_msg = str(py_err.value), str(cpp_err.value).splitlines()[0]
+    if name == "scale":  # Python prints the float repr (-1.0), C++ the shortest form (-1)
+        py_msg = py_msg.replace("-1.0", "-1")
+    assert cpp_msg == py_msg
+
+
+def test_bad_input_is_rejected_before_any_work(lib):
+    """A wrong entry in the last row fails before the output is written (nothing partial escapes)."""
+    a = _bad("unsorted")
+    with pytest.raises(ValueError, match="strictly ascending"):
+        lib.rain_fusion_attention(**a)
+
+
+# --------------------------------------------------------------------------------------------- #
+# prompt_flash_attention CPU kernel                                                              #
+# --------------------------------------------------------------------------------------------- #
+
+FULL = 2147483647
+
+
+@pytest.mark.parametrize("layout", ["BSND", "BNSD", "BSH"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
+@pytest.mark.parametrize("band", [(FULL, FULL), (5, 3)])
+def test_prompt_flash_attention_matches_the_npu_spec(lib, layout, heads, band):
+    n, nk = heads
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 37, n, 32, generator=gen).half()
+    k = torch.randn(2, 29, nk, 32, generator=gen).half()
+    v = torch.randn(2, 29, nk, 32, generator=gen).half()
+
+    def to(t):
+        return {"BSND": t, "BNSD": t.transpose(1, 2).contiguous(), "BSH": t.flatten(2)}[layout]
+
+    kw = dict(num_heads=n, num_key_value_heads=nk, input_layout=layout, scale_value=0.2, pre_tokens=band[0],
+              next_tokens=band[1])
+    out = lib.prompt_flash_attention(to(q), to(k), to(v), **kw)
+    spec = make_torch_npu().npu_prompt_flash_attention(to(q), to(k), to(v), **kw)
+    assert out.shape == spec.shape and out.dtype == torch.float16
+    defined = ~spec.isnan()  # the spec leaves rows with no admissible key undefined (NaN); we return 0
+    assert (band != (FULL, FULL)) == (not bool(defined.all()))
+    torch.testing.assert_close(out.float()[defined], spec.float()[defined], atol=2e-3, rtol=2e-3)
+    assert not out[~defined].any()
+
+
+def test_prompt_flash_attention_actual_lengths_and_defaults(lib):
+    gen = torch.Generator().manual_seed(10)
+    q = torch.randn(2, 3, 20, 16, generator=gen)
+    k = torch.randn(2, 1, 24, 16, generator=gen)
+    v = torch.randn(2, 1, 24, 16, generator=gen)
+    out = lib.prompt_flash_attention(q, k, v, num_heads=3, num_key_value_heads=1, input_layout="BNSD",
+                                     scale_value=0.25, pre_tokens=FULL, next_tokens=FULL,
+                                     actual_seq_lengths=[20, 11], actual_seq_lengths_kv=[24, 7])
+    for b, (lq, lk) in enumerate([(20, 24), (11, 7)]):
+        ref = reference_attention(q[b:b + 1, :, :lq].transpose(1, 2), k[b:b + 1, :, :lk].transpose(1, 2),
+                                  v[b:b + 1, :, :lk].transpose(1, 2), 0.25).transpose(1, 2)
+        torch.testing.assert_close(out[b:b + 1, :, :lq], ref.float(), atol=1e-5, rtol=1e-5)
+        assert not out[b, :, lq:].any()  # rows past the actual length are zero
+    # torch_npu's defaults: scale_value 1.0, pre_tokens 2147473647, next_tokens 0 (a causal band), BSH
+    qh = torch.randn(1, 9, 2 * 8, generator=gen)
+    out = lib.prompt_flash_attention(qh, qh, qh, num_heads=2)
+    spec = make_torch_npu().npu_prompt_flash_attention(qh.half(), qh.half(), qh.half(), num_heads=2)
+    torch.testing.assert_close(out, spec.float(), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(input_layout="TND"), "input_layout must be one of"),
+    (dict(num_heads=3), "num_heads=3 does not match"),
+    (dict(num_key_value_heads=3), "num_key_value_heads=3 does not match"),
+    (dict(actual_seq_lengths=[5]), "one entry per batch"),
+    (dict(actual_seq_lengths_kv=[9, 1]), r"entries must be in \[0, 8\]"),
+])
+def test_prompt_flash_attention_bad_input(lib, kw, match):
+    q = torch.randn(2, 8, 2, 16)
+    args = dict(num_heads=2, input_layout="BSND")
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        lib.prompt_flash_attention(q, q, q, **args)
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        lib.prompt_flash_attention(q.double(), q.double(), q.double(), num_heads=2, input_layout="BSND")
+
+
+# --------------------------------------------------------------------------------------------- #
+# operator registration: opcheck, FakeTensor, torch.compile                                      #
+# --------------------------------------------------------------------------------------------- #
+
+
+def test_opcheck_rain_fusion_attention(lib):
+    gen = torch.Generator().manual_seed(11)
+    for layout, q_lens in (("BNSD", [24, 24]), ("TND", [24, 9])):
+        q, k, v = _problem(gen, layout, q_lens, q_lens, 1, 2, 16, 16, torch.float32)
+        idx, num = _selection(gen, q_lens, q_lens, 8, 8, 2, "mixed")
+        lens = dict(actual_seq_lengths=q_lens) if layout == "TND" else {}
+        for return_lse in (False, True):
+            torch.library.opcheck(lib.rain_fusion_attention.default, (q, k, v, idx, num, [8, 8]),
+                                  dict(q_input_layout=layout, kv_input_layout=layout, scale_value=0.3,
+                                       return_lse=return_lse, **lens))
+
+
+def test_opcheck_prompt_flash_attention(lib):
+    q = torch.randn(2, 12, 4, 16)
+    kv = torch.randn(2, 10, 2, 16)
+    for layout, args in (("BSND", (q, kv, kv)), ("BNSD", (q.transpose(1, 2).contiguous(),) + (kv.transpose(1, 2).contiguous(),) * 2),
+                         ("BSH", (q.flatten(2), kv.flatten(2), kv.flatten(2)))):
+        torch.library.opcheck(lib.prompt_flash_attention.default, args,
+                              dict(num_heads=4, num_key_value_heads=2, input_layout=layout, scale_value=0.25,
+                                   pre_tokens=FULL, next_tokens=FULL))
+
+
+def test_fake_tensor_shapes(lib):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(3, 5, 100, 64)
+        k = torch.empty(3, 1, 90, 64)
+        v = torch.empty(3, 1, 90, 48)
+        idx = torch.empty(3 * 7, 5, 6, dtype=torch.long)
+        num = torch.empty(3 * 7, 5, dtype=torch.long)
+        out, lse = lib.rain_fusion_attention(q, k, v, idx, num, [16, 16], q_input_layout="BNSD",
+                                             kv_input_layout="BNSD", return_lse=True)
+        assert out.shape == (3, 5, 100, 48) and lse.shape == (3, 5, 100) and lse.dtype == torch.float32
+        o = lib.prompt_flash_attention(torch.empty(2, 7, 4 * 8), torch.empty(2, 9, 2 * 8), torch.empty(2, 9, 2 * 6),
+                                       num_heads=4, num_key_value_heads=2)
+        assert o.shape == (2, 7, 4 * 6)
+
+
+def test_torch_compile_fullgraph_matches_eager(lib):
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = _problem(gen, "BNSD", [40], [40], 2, 1, 16, 16, torch.float32)
+    idx, num = _selection(gen, [40], [40], 8, 8, 2, "mixed")
+
+    def f(q, k, v, idx, num):
+        out, lse = lib.rain_fusion_attention(q, k, v, idx, num, [8, 8], q_input_layout="BNSD",
+                                             kv_input_layout="BNSD", scale_value=0.3, return_lse=True)
+        dense = lib.prompt_flash_attention(q, k, v, num_heads=2, num_key_value_heads=2, input_layout="BNSD",
+                                           scale_value=0.3, pre_tokens=FULL, next_tokens=FULL)
+        return out * 2 + dense, lse.clamp_min(-100.0)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    got, want = compiled(q, k, v, idx, num), f(q, k, v, idx, num)
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------- #
+# the library missing: fallback, one warning, CI strictness                                      #
+# --------------------------------------------------------------------------------------------- #
+
+
+def test_simulated_missing_library_falls_back(monkeypatch):
+    monkeypatch.delenv(_ext.REQUIRE_ENV, raising=False)
+    monkeypatch.setattr(_ext, "load", lambda: _ext.ExtStatus(False, "simulated: no C++ compiler"))
+    q = torch.randn(1, 2, 32, 8)
+    assert "simulated: no C++ compiler" in rf.available_sparse_backends("cpu")["cpp"]
+    assert rf.select_sparse_backend(q) in ("flex", "gather")
+    with pytest.raises(SparseBackendError, match="not built.*simulated"):
+        rf.select_sparse_backend(q, backend="cpp")
+    gen = torch.Generator().manual_seed(13)
+    idx, num = _selection(gen, [32], [32], 8, 8, 2, "random")
+    assert rf.select_sparse_backend(q, return_lse=True) == "gather"
+    out, _ = rain_fusion_attention(q, q, q, idx, num, [8, 8], q_input_layout="BNSD", kv_input_layout="BNSD",
+                                   return_lse=True)  # lse: skips compiling flex here (the subprocess test runs auto)
+    ref, _ = _reference(q, q, q, idx, num, (8, 8), "BNSD", [32], [32])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_loader_without_compiler_warns_and_ci_requires(monkeypatch):
+    monkeypatch.setattr(_ext, "_compiler", lambda: None)
+    monkeypatch.delenv(_ext.REQUIRE_ENV, raising=False)
+    monkeypatch.delenv(_ext.DISABLE_ENV, raising=False)
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler found.*Python backends serve"):
+        st_ = _ext.load.__wrapped__()  # the uncached loader: this process's loaded library stays as is
+    assert not st_.loaded and "no C++ compiler" in st_.reason
+    monkeypatch.setenv(_ext.REQUIRE_ENV, "1")
+    with pytest.raises(RuntimeError, match="LITE_BOOST_REQUIRE_EXT=1.*no C\\+\\+ compiler"):
+        _ext.load.__wrapped__()
+    monkeypatch.setenv(_ext.DISABLE_ENV, "0")
+    monkeypatch.delenv(_ext.REQUIRE_ENV)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "disabled" in _ext.load.__wrapped__().reason  # disabling on purpose is not warned about
+
+
+def test_fresh_process_without_compiler(tmp_path):
+    """A fresh interpreter with no compiler and an empty cache: import works, one warning, Python backends serve."""
+    code = (
+        "import warnings, torch, lite_boost\n"
+        "from lite_boost.ops import rain_fusion as rf\n"
+        "q = torch.randn(1, 1, 16, 8)\n"
+        "idx = torch.tensor([[[0, 1]], [[1, -1]]]); num = torch.tensor([[2], [1]])\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    for _ in range(3):\n"
+        "        out, _ = rf.rain_fusion_attention(q, q, q, idx, num, [8, 8], q_input_layout='BNSD', kv_input_layout='BNSD')\n"
+        "msgs = [str(x.message) for x in w if 'operator library' in str(x.message)]\n"
+        "assert len(msgs) == 1 and 'no C++ compiler' in msgs[0], msgs\n"
+        "print('backend', rf.select_sparse_backend(q, return_lse=True), rf.available_sparse_backends()['cpp'])\n"
+    )
+    env = dict(os.environ, CXX="lite-boost-no-such-compiler", LITE_BOOST_EXT_DIR=str(tmp_path))
+    env.pop(_ext.REQUIRE_ENV, None)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "backend gather" in res.stdout and "not built" in res.stdout
+    assert not any(tmp_path.iterdir()) or not list(tmp_path.rglob("*.so"))  # nothing was built

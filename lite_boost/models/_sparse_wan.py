@@ -7,12 +7,21 @@ forward pre-hook on the transformer that records, before every call, the latent 
 Each self-attention call then asks the :class:`~lite_boost.schedule.SparseSchedule` whether to run
 dense, reuses its block mask while ``mask_reuse_steps`` allows (one mask per layer and CFG branch),
 and otherwise runs ``lite_boost.ops.sparse_attention``.
+
+Under ``torch.compile`` all of that stays eager: the step tracking and each self-attention call are
+opaque custom ops of the graph (``torch.ops.lite_boost_graph.wan_sparse_*``), so the schedule, the
+mask-reuse decision and the mask building (data-dependent, with ``.item()``) never become graph
+breaks or guards. The step index lives only in Python state read by those ops: one compiled graph
+serves every denoising step, dense or sparse, and every layer (the layer index enters the graph as a
+tensor, not as a specialised constant).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -55,19 +64,47 @@ class SparseWanState:
     masks: dict = field(default_factory=dict)  # (layer, call) -> (step computed, BlockSelection)
     events: list = field(default_factory=list)  # SparseEvent of the current generation
     hook: object = None
+    timestep_hook: object = None
     record_events: bool = True
+    handle: int = -1  # key of this state in _STATES (set by install_sparse)
+    layers: dict = field(default_factory=dict)  # layer index -> SparseWanAttention
+
+    def observe(self, grid, timestep) -> None:
+        """Start of a transformer call: record the latent grid and advance the step tracker."""
+        if grid:
+            self.grid = tuple(int(g) for g in grid)
+        previous = self.tracker.generation
+        self.tracker.observe(timestep if timestep is not None else 0)
+        if self.tracker.generation != previous:
+            self.masks.clear()
+            self.events.clear()
 
     def pre_forward(self, module, args, kwargs):
         hidden = args[0] if args else kwargs.get("hidden_states")
         timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
         p_t, p_h, p_w = module.config.patch_size
         _, _, f, h, w = hidden.shape
-        self.grid = (f // p_t, h // p_h, w // p_w)
-        previous = self.tracker.generation
-        self.tracker.observe(timestep if timestep is not None else 0)
-        if self.tracker.generation != previous:
-            self.masks.clear()
-            self.events.clear()
+        grid = (f // p_t, h // p_h, w // p_w)
+        if torch.compiler.is_compiling():
+            # Traced: only the grid (shape arithmetic, a constant of the graph) is recorded here; the
+            # step tracker reads the timestep's value, so it runs in an opaque op on the timestep's
+            # path into the condition embedder (see timestep_pre_forward), ordered before every block.
+            self.grid = grid
+            return None
+        self.observe(grid, timestep)
+        return None
+
+    def timestep_pre_forward(self, module, args, kwargs):
+        """Pre-hook of the condition embedder: under tracing, route the timestep through the observe op."""
+        if not torch.compiler.is_compiling():
+            return None  # eager: pre_forward already observed this call
+        timestep = args[0] if args else kwargs.get("timestep")
+        if not isinstance(timestep, torch.Tensor):
+            return None
+        timestep = torch.ops.lite_boost_graph.wan_sparse_observe(timestep, self.handle, list(self.grid or ()))
+        if args:
+            return (timestep,) + tuple(args[1:]), kwargs
+        return args, {**kwargs, "timestep": timestep}
 
     def mean_effective_sparsity(self) -> float:
         """Average effective sparsity over the recorded self-attention calls (dense calls count as 0)."""
@@ -83,6 +120,9 @@ class SparseWanAttention:
         self.layer_idx = layer_idx
         self.state = state
         self.dense_fn = dense_fn
+        # (state handle, layer) as a tensor: traced code passes it to the op as a graph input, so the
+        # blocks of one model (and of two models) share one compiled graph instead of one per layer.
+        self._key = torch.tensor([state.handle, layer_idx], dtype=torch.int64)
 
     def __repr__(self) -> str:
         c = self.state.config
@@ -95,6 +135,13 @@ class SparseWanAttention:
                                          path, reason, reused, eff, backend))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            grid = list(self.state.grid) if self.state.grid is not None else []
+            return torch.ops.lite_boost_graph.wan_sparse_attention(q, k, v, self._key, grid)
+        return self.run(q, k, v)
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The eager body: schedule, mask reuse, sparse_attention (or the dense function)."""
         st, cfg = self.state, self.state.config
         tr = st.tracker
         why = st.schedule.dense_reason(tr.step, tr.total, self.layer_idx)
@@ -130,9 +177,14 @@ def install_sparse(transformer, boost_state) -> None:
     if cfg is None or cfg.sparse_type is None:
         return
     state = SparseWanState(cfg, SparseSchedule(cfg))
+    state.handle = next(_HANDLES)
+    _STATES[state.handle] = state
     for proc in boost_state.self_attention_processors:
-        proc.attn_fn = SparseWanAttention(proc.layer_idx, state, proc.attn_fn)
+        proc.attn_fn = state.layers[proc.layer_idx] = SparseWanAttention(proc.layer_idx, state, proc.attn_fn)
     state.hook = transformer.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
+    embedder = getattr(transformer, "condition_embedder", None)
+    if embedder is not None:
+        state.timestep_hook = embedder.register_forward_pre_hook(state.timestep_pre_forward, with_kwargs=True)
     boost_state.extras[STATE_KEY] = state
 
 
@@ -141,6 +193,10 @@ def uninstall_sparse(transformer, boost_state) -> None:
     state = boost_state.extras.pop(STATE_KEY, None)
     if state is not None and state.hook is not None:
         state.hook.remove()
+    if state is not None and state.timestep_hook is not None:
+        state.timestep_hook.remove()
+    if state is not None:
+        _STATES.pop(state.handle, None)
 
 
 def attach_pipeline(transformer, pipeline) -> None:
@@ -149,3 +205,47 @@ def attach_pipeline(transformer, pipeline) -> None:
     state = boost_state.extras.get(STATE_KEY) if boost_state is not None else None
     if state is not None:
         state.tracker.attach(pipeline)
+
+
+# --------------------------------------------------------------------------------------- graph ops
+# Custom-op arguments are tensors and scalars, so an op reaches its SparseWanState through an integer
+# handle. The table holds weak references only: it owns no state and an entry vanishes with its model.
+_HANDLES = itertools.count()
+_STATES: "weakref.WeakValueDictionary[int, SparseWanState]" = weakref.WeakValueDictionary()
+
+
+def _state(handle: int) -> SparseWanState:
+    state = _STATES.get(int(handle))
+    if state is None:
+        raise RuntimeError(f"lite_boost sparse attention: no boosted model with handle {int(handle)} "
+                           "(the model was unboosted or freed after this graph was compiled)")
+    return state
+
+
+@torch.library.custom_op("lite_boost_graph::wan_sparse_observe", mutates_args=())
+def _observe_op(timestep: torch.Tensor, handle: int, grid: list[int]) -> torch.Tensor:
+    _state(handle).observe(grid, timestep)
+    return timestep.clone()
+
+
+@_observe_op.register_fake
+def _(timestep, handle, grid):
+    return torch.empty_like(timestep)
+
+
+@torch.library.custom_op("lite_boost_graph::wan_sparse_attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: torch.Tensor,
+                  grid: list[int]) -> torch.Tensor:
+    handle, layer = (int(x) for x in key.tolist())
+    state = _state(handle)
+    fn = state.layers.get(layer)
+    if fn is None:
+        raise RuntimeError(f"lite_boost sparse attention: layer {layer} has no sparse attention function")
+    if grid:
+        state.grid = tuple(grid)
+    return fn.run(q, k, v).contiguous()
+
+
+@_attention_op.register_fake
+def _(q, k, v, key, grid):
+    return q.new_empty(q.shape[:3] + (v.shape[-1],))

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..config import ATTENTION_BACKEND_NAMES
 from ._checks import check_qkv_tensors
-from ._override import BackendOverride
+from ._override import BackendOverride, raise_when_run
 
 __all__ = [
     "AttentionBackendError",
@@ -234,20 +234,19 @@ _OVERRIDE = BackendOverride(ATTENTION_BACKEND_NAMES, ENV_VAR, "attention_backend
 
 
 @functools.lru_cache(maxsize=512)
-def _resolve(device_type: str, dtype: torch.dtype, head_dim: int, heads: int, gqa: bool,
-             requested: str | None, how: str) -> str:
+def _decide(device_type: str, dtype: torch.dtype, head_dim: int, heads: int, gqa: bool,
+            requested: str | None, how: str) -> tuple[str | None, str | None]:
+    """(backend name, None) or (None, error message) for a call signature; logs each choice once."""
     reasons = {n: BACKENDS[n].rejects(device_type, dtype, head_dim, heads, gqa) for n in _AUTO_ORDER}
     sig = f"{device_type}/{str(dtype).replace('torch.', '')}/head_dim={head_dim}/heads={heads}"
     if requested is not None:
         why = reasons[requested]
         if why is not None:
             usable = [n for n, r in reasons.items() if r is None]
-            raise AttentionBackendError(
-                f"attention backend {requested!r} ({how}) is unavailable for {sig}: {why}. "
-                f"Usable backends for this call: {usable}"
-            )
+            return None, (f"attention backend {requested!r} ({how}) is unavailable for {sig}: {why}. "
+                          f"Usable backends for this call: {usable}")
         logger.info("lite_boost attention: using %r for %s (%s)", requested, sig, how)
-        return requested
+        return requested, None
     for name in _AUTO_ORDER:
         if reasons[name] is None:
             skipped = "; ".join(f"{n}: {reasons[n]}" for n in _AUTO_ORDER[: _AUTO_ORDER.index(name)])
@@ -255,19 +254,33 @@ def _resolve(device_type: str, dtype: torch.dtype, head_dim: int, heads: int, gq
                 "lite_boost attention: using %r for %s (first usable in %s%s)",
                 name, sig, " -> ".join(_AUTO_ORDER), f"; skipped {skipped}" if skipped else "",
             )
-            return name
-    raise AttentionBackendError(f"no attention backend can run {sig}: " + "; ".join(f"{n}: {r}" for n, r in reasons.items()))
+            return name, None
+    return None, f"no attention backend can run {sig}: " + "; ".join(f"{n}: {r}" for n, r in reasons.items())
+
+
+# Under torch.compile the choice is made once, in Python, while the graph is traced, and enters the graph
+# as a constant (dynamo does not trace the probes). Its inputs (device, dtype, shapes, the requested
+# backend) are already guarded, so a different signature or override retraces.
+@torch.compiler.assume_constant_result
+def _decide_traced(*signature) -> tuple[str | None, str | None]:
+    return _decide(*signature)
+
+
+def _signature(q: torch.Tensor, k: torch.Tensor | None, layout: str, backend: str | None) -> tuple:
+    heads_axis = 2 if layout == "BSND" else 1
+    kv_heads = (k if k is not None else q).shape[heads_axis]
+    requested, how = _OVERRIDE.requested(backend)
+    return (q.device.type, q.dtype, q.shape[-1], q.shape[heads_axis], kv_heads != q.shape[heads_axis], requested, how)
 
 
 def select_backend(q: torch.Tensor, k: torch.Tensor | None = None, *, layout: str = "BSND",
                    backend: str | None = None) -> str:
     """Name of the backend ``attention`` would use for these tensors (raises if a forced one cannot run)."""
     layout = _check_layout(layout)
-    heads_axis = 2 if layout == "BSND" else 1
-    kv_heads = (k if k is not None else q).shape[heads_axis]
-    requested, how = _OVERRIDE.requested(backend)
-    return _resolve(q.device.type, q.dtype, q.shape[-1], q.shape[heads_axis], kv_heads != q.shape[heads_axis],
-                    requested, how)
+    name, error = _decide(*_signature(q, k, layout, backend))
+    if error is not None:
+        raise AttentionBackendError(error)
+    return name
 
 
 def available_backends(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -342,7 +355,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
     layout = validate_qkv(q, k, v, layout)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0):
         raise ValueError(f"scale must be a positive number or None, got {scale!r}")
-    name = select_backend(q, k, layout=layout, backend=backend)
+    sig = _signature(q, k, layout, backend)
+    name, error = _decide_traced(*sig) if torch.compiler.is_compiling() else _decide(*sig)
+    if error is not None:  # eager: raises now; traced: raises when the compiled graph runs
+        return raise_when_run("attention", error, q)  # output has the shape of q
     if layout == "BNSD":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     out = BACKENDS[name].impl(q, k, v, scale)
@@ -352,4 +368,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
 def clear_caches() -> None:
     """Forget probed packages and cached choices (after installing a package mid-process, and in tests)."""
     _import_optional.cache_clear()
-    _resolve.cache_clear()
+    _decide.cache_clear()

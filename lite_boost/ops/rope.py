@@ -85,7 +85,9 @@ class RopeCache:
     """Bounded LRU of RoPE tables keyed by (grid, head_dim, theta, device, start, stop).
 
     One cache per boosted model (not a process-wide global): layers, denoising steps and CFG passes
-    of that model reuse the same tensors. Thread-safe.
+    of that model reuse the same tensors. Thread-safe. Inside a graph traced by ``torch.compile``
+    ``get`` bypasses the cache and builds the tables in the graph; with diffusers' regional
+    compilation (``compile_repeated_blocks``) the RoPE module runs eagerly and the cache serves it.
     """
 
     def __init__(self, maxsize: int = 8):
@@ -101,6 +103,10 @@ class RopeCache:
             start: int = 0, stop: int | None = None) -> RotaryEmbedding:
         grid = _check_grid(grid)
         device = torch.device(device) if device is not None else torch.device("cpu")
+        if torch.compiler.is_compiling():
+            # Traced (full-model torch.compile): the tables are a pure function of constants of the
+            # graph, built inside it (no lock, no Python-side cache state for dynamo to guard on).
+            return rope_tables(grid, head_dim, theta=theta, device=device, start=start, stop=stop)
         key = (grid, int(head_dim), float(theta), str(device), int(start), stop)
         with self._lock:
             hit = self._data.get(key)

@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--nproc", type=int, default=1, help="processes to launch with torchrun (one per device)")
     gen.add_argument("--sequence-degree", type=int, default=None, help="Ulysses degree (default: nproc / cfg degree)")
     gen.add_argument("--cfg-degree", type=int, default=1, choices=[1, 2])
+    gen.add_argument("--vae-parallel", default=None, choices=["exact", "chunked", "off"],
+                     help="VAE decode/encode over the ranks (default exact when --nproc > 1)")
+    gen.add_argument("--vae-overlap", type=int, default=None,
+                     help="warm-up latent frames per chunk with --vae-parallel chunked (default: the model's)")
     gen.add_argument("--no-compare", action="store_true", help="skip the stock diffusers run")
     gen.add_argument("--warmup", type=int, default=1,
                      help="untimed one-step runs (latent output) before each timed run, to exclude one-time costs")
@@ -96,6 +100,14 @@ def env_report() -> str:
     lines += ["", "### dense attention backends (auto order fa3 -> fa2 -> npu -> sdpa)",
               "| backend | status | detail |", "|---|---|---|"]
     lines += [f"| {n} | {s} | {d} |" for n, s, d in backend_report()]
+    lines += ["", "### operator library (csrc: torch.ops.lite_boost)"]
+    from lite_boost.ops import _ext
+
+    ext = _ext.status()
+    lines.append(f"- {ext.summary()}")
+    if ext.loaded:
+        for op, keys in ext.kernels.items():
+            lines.append(f"- {op}: kernels for {', '.join(keys) if keys else 'no device'}")
     try:  # sparse kernels (optional module of lite_boost.ops)
         from lite_boost.ops import rain_fusion
 
@@ -182,6 +194,11 @@ def _validate_generate(args) -> None:
         bad("--num-frames", args.num_frames, "4k + 1 (1, 5, 9, ..., 81)")
     if args.warmup < 0:
         bad("--warmup", args.warmup, "a non-negative integer")
+    if getattr(args, "vae_overlap", None) is not None:
+        if args.vae_overlap < 1:
+            bad("--vae-overlap", args.vae_overlap, "a positive integer")
+        if args.vae_parallel != "chunked":
+            bad("--vae-overlap", args.vae_overlap, "used only with --vae-parallel chunked")
     if args.steps is not None and args.steps < 1:
         bad("--steps", args.steps, "a positive integer")
     if args.image is not None and not Path(args.image).is_file():
@@ -198,7 +215,8 @@ def _boost_config(args):
     if args.config:
         return BoostConfig.from_yaml(args.config)
     sparse = SparseConfig(sparsity=args.sparsity) if args.sparsity > 0 else None
-    parallel = ParallelConfig(sequence_degree=args.sequence_degree, cfg_degree=args.cfg_degree)
+    parallel = ParallelConfig(sequence_degree=args.sequence_degree, cfg_degree=args.cfg_degree,
+                              vae_parallel=getattr(args, "vae_parallel", None), vae_overlap=getattr(args, "vae_overlap", None))
     return BoostConfig(attention_backend=args.attention_backend, sparse=sparse, parallel=parallel)
 
 

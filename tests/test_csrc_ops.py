@@ -505,3 +505,12 @@ def test_fresh_process_without_compiler(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert "backend gather" in res.stdout and "not built" in res.stdout
     assert not any(tmp_path.iterdir()) or not list(tmp_path.rglob("*.so"))  # nothing was built
+
+
+def test_env_report_lists_the_library(lib):
+    from lite_boost.cli import env_report
+
+    report = env_report()
+    assert "### operator library (csrc: torch.ops.lite_boost)" in report
+    assert "- rain_fusion_attention: kernels for CPU, Meta" in report
+    assert "| cpp | usable |" in report

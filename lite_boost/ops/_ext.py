@@ -90,7 +90,10 @@ def cache_dir() -> Path:
         base = Path(root)
     else:
         base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lite_boost" / "ext"
-    tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}-{_machine_tag()}"
+    # the torch install location is part of the key: two venvs with the same torch version would otherwise
+    # keep rebuilding over each other (the compile flags name the torch include path)
+    where = hashlib.sha1(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:6]
+    tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}-{_machine_tag()}-{where}"
     return base / tag.replace("+", "_")
 
 

@@ -374,3 +374,72 @@ def test_double_schema_is_the_library_schema(dbl, name):
         assert [(a.name, str(a.type), a.default_value, a.kwarg_only) for a in mine.arguments] == \
                [(a.name, str(a.type), a.default_value, a.kwarg_only) for a in lib.arguments]
         assert [str(r.type) for r in mine.returns] == [str(r.type) for r in lib.returns]
+
+
+# --------------------------------------------------------------------------------------------- #
+# The NPU build: glue compiles against torch_npu's API; build description; absence reported     #
+# --------------------------------------------------------------------------------------------- #
+
+
+def test_npu_glue_compiles_against_the_torch_npu_api(tmp_path):
+    """csrc/npu/npu_kernels.cpp (never built here) must compile against torch_npu's declarations.
+
+    tests/aclnn_double/torch_npu_api holds declaration-only copies of the two torch_npu headers it
+    uses; they also declare an acl function the CANN way, so including aclnn_api.h there would clash.
+    """
+    import shutil
+    import subprocess
+
+    from torch.utils.cpp_extension import include_paths
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    incs = [ROOT / "csrc" / "npu", ROOT / "csrc", ROOT / "tests" / "aclnn_double" / "torch_npu_api", *include_paths()]
+    cmd = [cxx, "-std=c++17", "-fsyntax-only", *[f"-I{p}" for p in incs], str(ROOT / "csrc" / "npu" / "npu_kernels.cpp")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_npu_build_description_and_its_absence(monkeypatch, tmp_path):
+    import sys
+    import types
+
+    from lite_boost.ops import _ext_npu
+
+    csrc = ROOT / "csrc"
+    monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
+    monkeypatch.delenv("ASCEND_TOOLKIT_HOME", raising=False)
+    assert "CANN not found (ASCEND_HOME_PATH / ASCEND_TOOLKIT_HOME unset" in _ext_npu.npu_build_config(csrc)
+    monkeypatch.setenv("ASCEND_TOOLKIT_HOME", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import fails like a missing package
+    assert _ext_npu.npu_build_config(csrc).startswith("torch_npu is not importable (ModuleNotFoundError")
+    # a torch_npu laid out as installed, with its extension helper
+    root = tmp_path / "torch_npu"
+    (root / "include" / "third_party" / "acl" / "inc").mkdir(parents=True)
+    fake = types.ModuleType("torch_npu")
+    fake.__file__ = str(root / "__init__.py")
+    helper = types.ModuleType("torch_npu.utils.cpp_extension")
+    helper.NpuExtension = lambda name, sources: types.SimpleNamespace(
+        include_dirs=[str(root / "include")], library_dirs=[str(root / "lib")],
+        libraries=["c10", "torch", "torch_cpu", "torch_python", "torch_npu"])
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setitem(sys.modules, "torch_npu.utils", types.ModuleType("torch_npu.utils"))
+    monkeypatch.setitem(sys.modules, "torch_npu.utils.cpp_extension", helper)
+    cfg = _ext_npu.npu_build_config(csrc)
+    assert [Path(s).name for s in cfg["sources"]] == ["npu_kernels.cpp", "aclnn_translate.cpp", "opapi_loader.cpp",
+                                                      "common.cpp"]
+    assert all(Path(s).is_file() for s in cfg["sources"])
+    assert cfg["extra_include_paths"] == [str(csrc), str(root / "include"),
+                                          str(root / "include" / "third_party" / "acl" / "inc")]
+    assert f"-L{root / 'lib'}" in cfg["extra_ldflags"] and "-ltorch_npu" in cfg["extra_ldflags"]
+    assert "-ltorch" not in cfg["extra_ldflags"]  # cpp_extension links torch itself
+
+
+def test_npu_backends_report_why_they_are_off_on_this_machine():
+    from lite_boost.ops import _ext_npu
+
+    assert not _ext_npu.has_npu_kernel("rain_fusion_attention")
+    assert not _ext_npu.has_npu_kernel("prompt_flash_attention")
+    assert A._pfa_op() is None
+    assert "needs npu, got cpu" in _sparse_npu.probe("cpu")

@@ -28,6 +28,8 @@ ATTENTION_BACKEND_NAMES = ("fa3", "fa2", "npu", "sdpa")
 # Block-sparse kernels of ``lite_boost.ops.rain_fusion_attention`` (same reason).
 SPARSE_BACKEND_NAMES = ("npu", "cpp", "flex", "gather", "reference")
 SPARSE_TYPES = (None, "rf_v2")
+SPARSE_SELECTORS = ("subblock", "reference")  # = lite_boost.ops.sparse.SELECTORS (tested)
+SPARSE_BUDGETS = ("reference", "total")  # = lite_boost.ops.sparse.BUDGETS (tested)
 
 
 class ConfigError(ValueError):
@@ -109,6 +111,13 @@ class SparseConfig(_ConfigMixin):
     min_seq_len: sequences shorter than this use dense attention (mask overhead would dominate).
     backend: block-sparse kernel ("npu", "cpp", "flex", "gather", "reference") or None = automatic
         (npu -> cpp -> flex -> gather, also settable with LITE_BOOST_SPARSE_BACKEND).
+    budget: "reference" (the reference rule: each query block keeps its top
+        ``ceil((1 - sparsity) * kv_blocks)`` blocks, then the forced text / first-frame / diagonal
+        blocks are added on top) or "total" (forced blocks count toward that number: a hard cap).
+    selector: how blocks are scored: "subblock" (estimated attention mass from sub-block
+        representatives, the default) or "reference" (RainFusion 2.0 mean-pooled Q/K scores).
+    selector_reps: (q_reps, k_reps) representatives per query / key block for "subblock", each in
+        [1, block_size]; None = (8, 16) capped at block_size.
     """
 
     sparse_type: str | None = "rf_v2"
@@ -124,15 +133,28 @@ class SparseConfig(_ConfigMixin):
     mask_reuse_steps: int = 1
     min_seq_len: int = 0
     backend: str | None = None
+    budget: str = "reference"
+    selector: str = "subblock"
+    selector_reps: tuple[int, int] | None = None
 
     def __post_init__(self):
         _check_choice("sparse_type", self.sparse_type, SPARSE_TYPES)
+        _check_choice("budget", self.budget, SPARSE_BUDGETS)
+        _check_choice("selector", self.selector, SPARSE_SELECTORS)
         _check_choice("backend", self.backend, (None,) + SPARSE_BACKEND_NAMES)
         if isinstance(self.sparsity, bool) or not isinstance(self.sparsity, (int, float)):
             raise ConfigError(f"sparsity must be a float in [0, 1), got {self.sparsity!r}")
         if not (0.0 <= float(self.sparsity) < 1.0) or math.isnan(self.sparsity):
             raise ConfigError(f"sparsity must be in [0, 1), got {self.sparsity}")
         _check_int("block_size", self.block_size, lo=1)
+        if self.selector_reps is not None:
+            r = self.selector_reps
+            if (not isinstance(r, (tuple, list)) or len(r) != 2
+                    or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in r)):
+                raise ConfigError(f"selector_reps must be None or two positive ints (q_reps, k_reps), got {r!r}")
+            if max(r) > self.block_size:
+                raise ConfigError(f"selector_reps {tuple(r)} must not exceed block_size={self.block_size}")
+            object.__setattr__(self, "selector_reps", tuple(r))
         if self.window is not None:
             w = tuple(self.window)
             if len(w) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in w):

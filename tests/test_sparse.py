@@ -98,11 +98,12 @@ def test_reference_order_matches_documented_rule():
 # --------------------------------------------------------------------------------------------- #
 
 
-def _select(pq, pk, keep, forced_q=None, forced_kv=None, diagonal=None, cdf=1.0):
+def _select(pq, pk, keep, forced_q=None, forced_kv=None, diagonal=None, cdf=1.0, budget="total"):
     nqb, nkb = pq.shape[2], pk.shape[2]
     fq = torch.zeros(nqb, dtype=torch.bool) if forced_q is None else forced_q
     fk = torch.zeros(nkb, dtype=torch.bool) if forced_kv is None else forced_kv
-    return select_blocks(pq, pk, 1.0, keep, fq, fk, diagonal, cdf, torch.ones(nqb), torch.ones(nkb))
+    return select_blocks(pq @ pk.transpose(-1, -2), None, keep, fq, fk, diagonal, cdf, torch.ones(nqb),
+                         torch.ones(nkb), budget)
 
 
 @settings(max_examples=30, deadline=None)
@@ -264,7 +265,7 @@ def test_text_with_unaligned_video_length_forces_the_straddling_block():
     q, k, v = (rand_bnsd(gen, 1, 1, s, 8) for _ in range(3))
     out, stats = sparse_attention(q, k, v, sparse_type="rf_v2", txt_len=txt, block_size=16, latent_shape_q=(3, 5, 7),
                                   sparsity=0.8, keep_sink=False, keep_recent=False, window="raster",
-                                  return_stats=True, backend="gather")
+                                  return_stats=True, backend="gather", budget="total")
     sel = stats.selection
     assert stats.kv_blocks == 7  # 112 tokens
     assert torch.all(sel.select_num[6] == 7)  # the straddling block's queries see every block

@@ -163,6 +163,7 @@ class SparseWanAttention:
             block_size=cfg.block_size, latent_shape_q=grid, keep_sink=cfg.keep_sink, keep_recent=cfg.keep_recent,
             cdf_threshold=cfg.cdf_threshold, sparsity=cfg.sparsity, window=cfg.window,
             min_seq_len=cfg.min_seq_len, selection=selection, return_stats=True, backend=cfg.backend,
+            budget=cfg.budget, selector=cfg.selector, selector_reps=cfg.selector_reps,
         )
         stats: SparseStats
         if stats.selection is not None and selection is None:

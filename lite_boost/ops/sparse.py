@@ -4,12 +4,15 @@ The rf_v2 path, per call:
 
 1. reorder the tokens so each block of ``block_size`` tokens is a compact piece of the
    (t, h, w) latent grid (see :mod:`._sparse_layout`; text tokens move behind the video);
-2. mean-pool Q and K per block (fp32, valid tokens only) and score block pairs (fp32 softmax);
-3. per batch element and head, keep exactly ``ceil((1 - sparsity) * kv_blocks)`` KV blocks per
-   query block (forced blocks included; ties never over-select); blocks holding text or, with
-   ``keep_sink``, first-frame tokens are forced on in both directions (every query attends to
-   them, their queries attend to everything); ``keep_recent`` forces each query block's own
-   (diagonal) KV block;
+2. score block pairs in fp32 (``selector``): ``"reference"`` = RainFusion 2.0's mean-pooled Q/K
+   logits; ``"subblock"`` (default) = estimated attention mass from several sub-block
+   representatives per block with a key-variance correction (see :mod:`._sparse_mask`);
+3. per batch element and head, keep the top ``ceil((1 - sparsity) * kv_blocks)`` KV blocks per
+   query block by score (ties never over-select), then add the forced blocks: blocks holding text
+   or, with ``keep_sink``, first-frame tokens are forced on in both directions (every query
+   attends to them, their queries attend to everything); ``keep_recent`` forces each query
+   block's own (diagonal) KV block. ``budget="reference"`` (default, the reference rule) adds the
+   forced blocks on top of the top-k; ``budget="total"`` counts them toward it (hard cap);
 4. run :func:`rain_fusion_attention` on the reordered tensors and undo the reordering.
 
 Heads are processed in groups so that the reordered copies stay a small fraction of the inputs.
@@ -20,7 +23,8 @@ Improvements over the reference implementation, each selectable: real (t, h, w) 
 handling of grids the window does not divide (``window=(wt, wh, ww)``; ``None`` = the reference
 8x8 order, ``"raster"`` = no reordering); one mask per batch element; ``latent_shape_k`` honoured;
 text blocks found per token, so a video length that is not a multiple of the block size cannot
-misalign them; a dense fallback below ``min_seq_len``; the effective sparsity reported.
+misalign them; a dense fallback below ``min_seq_len``; the effective sparsity reported; a better
+block scorer at the same block budget (``selector="subblock"``).
 """
 
 from __future__ import annotations
@@ -35,13 +39,16 @@ import torch.nn.functional as F
 from . import rain_fusion as _rf
 from ._checks import check_qkv_tensors
 from ._sparse_layout import token_order
-from ._sparse_mask import forced_blocks, pool_blocks, select_blocks
+from ._sparse_mask import BUDGETS, SELECTORS, block_scores, forced_blocks, select_blocks
 
-__all__ = ["sparse_attention", "SparseStats", "BlockSelection", "SPARSE_TYPES", "INPUT_LAYOUTS"]
+__all__ = ["sparse_attention", "SparseStats", "BlockSelection", "SPARSE_TYPES", "INPUT_LAYOUTS", "SELECTORS",
+           "BUDGETS", "DEFAULT_SELECTOR_REPS"]
 
 SPARSE_TYPES = (None, "rf_v2")
 INPUT_LAYOUTS = ("BNSD", "BSND", "BSH")
-_EXTRAS = ("window", "min_seq_len", "selection", "return_stats", "backend", "head_chunk")
+_EXTRAS = ("window", "min_seq_len", "selection", "return_stats", "backend", "head_chunk", "budget", "selector",
+           "selector_reps")
+DEFAULT_SELECTOR_REPS = (8, 16)  # "subblock": representatives per query block, per key block
 _MEMORY_FRACTION = 0.125  # reordered copies (q, k, v, out) per head group, relative to the inputs
 
 
@@ -67,7 +74,7 @@ class SparseStats:
     effective_sparsity: fraction of (query, key) token pairs skipped, over batch and heads
     (forced rows and columns included); q_blocks / kv_blocks per batch element; selection: the
     mask (reusable via ``selection=``), None on the dense path; reused: the mask came from
-    ``selection=``.
+    ``selection=``; selector / budget: how the mask was chosen (None on the dense path).
     """
 
     path: str
@@ -79,6 +86,8 @@ class SparseStats:
     kv_blocks: int = 0
     selection: BlockSelection | None = None
     reused: bool = False
+    selector: str | None = None
+    budget: str | None = None
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -196,12 +205,18 @@ def sparse_attention(q, k, v, attn_mask=None, scale=None, is_causal=False, head_
         keep_sink: force first-frame blocks on in both directions (grids with t > 1).
         keep_recent: force each query block's diagonal KV block.
         cdf_threshold: in (0, 1]; below 1 a row keeps fewer blocks once they hold this fraction
-            of its pooled attention mass (never more than the sparsity budget).
-        sparsity: fraction of KV blocks skipped per query block, in [0, 1).
+            of its estimated attention mass (never more than the sparsity budget).
+        sparsity: in [0, 1): each query block keeps the top ``ceil((1 - sparsity) * kv_blocks)``
+            KV blocks by score, plus the forced blocks (``budget`` says whether on top or within).
         **extras: ``window`` ((wt, wh, ww) with volume block_size, None = reference 8x8 order,
             "raster"); ``min_seq_len`` (dense below this query length, default 0);
             ``selection`` (a BlockSelection to reuse); ``return_stats`` (also return a
-            SparseStats); ``backend`` (rain_fusion backend); ``head_chunk`` (KV heads per group).
+            SparseStats); ``backend`` (rain_fusion backend); ``head_chunk`` (KV heads per group);
+            ``budget`` ("reference" = forced blocks on top of the top-k, default; "total" = forced
+            blocks count toward it); ``selector`` ("subblock" = estimated attention mass,
+            default; "reference" = RainFusion 2.0 mean-pooled scores); ``selector_reps``
+            ((q_reps, k_reps) representatives per query / key block for "subblock", each in
+            [1, block_size], default (8, 16) capped at block_size).
 
     Returns:
         The attention output in the input layout and dtype, or ``(out, SparseStats)`` with
@@ -270,6 +285,20 @@ def sparse_attention(q, k, v, attn_mask=None, scale=None, is_causal=False, head_
             raise ValueError(f"window volume must equal block_size={block_size}, got {w} (volume {math.prod(w)}); "
                              "or pass None (reference 8x8 order) or 'raster'")
         window = w
+    budget = extras.get("budget", "reference")
+    if not isinstance(budget, str) or budget not in BUDGETS:
+        raise ValueError(f"budget must be one of {list(BUDGETS)} ('reference': forced blocks on top of the "
+                         f"top-k, 'total': forced blocks count toward it), got {budget!r}")
+    selector = extras.get("selector", "subblock")
+    if not isinstance(selector, str) or selector not in SELECTORS:
+        raise ValueError(f"selector must be one of {list(SELECTORS)}, got {selector!r}")
+    reps = extras.get("selector_reps")
+    if reps is None:  # the default, capped by the block size
+        reps = tuple(min(r, block_size) for r in DEFAULT_SELECTOR_REPS)
+    if (not isinstance(reps, (tuple, list)) or len(reps) != 2
+            or not all(_is_int(r) and 1 <= r <= block_size for r in reps)):
+        raise ValueError(f"selector_reps must be two ints (q_reps, k_reps) in [1, block_size={block_size}], "
+                         f"got {reps!r}")
     min_seq_len = extras.get("min_seq_len", 0)
     if not _is_int(min_seq_len) or min_seq_len < 0:
         raise ValueError(f"min_seq_len must be a non-negative int, got {min_seq_len!r}")
@@ -324,8 +353,10 @@ def sparse_attention(q, k, v, attn_mask=None, scale=None, is_causal=False, head_
         kc = k4[:, hk].index_select(2, perm_k)
         vc = v4[:, hk].index_select(2, perm_k)
         if selection is None:
-            si, sn, pr = select_blocks(pool_blocks(qc, block_size), pool_blocks(kc, block_size), scale_v, keep,
-                                       forced_q, forced_kv, diagonal, cdf_threshold, q_tok, kv_tok)
+            score, probs = block_scores(qc, kc, block_size, scale_v, selector, reps[0], reps[1])
+            si, sn, pr = select_blocks(score, probs, keep, forced_q, forced_kv, diagonal, cdf_threshold, q_tok,
+                                       kv_tok, budget)
+            del score, probs
             idx_parts.append(si)
             num_parts.append(sn)
             pairs += pr
@@ -349,5 +380,6 @@ def sparse_attention(q, k, v, attn_mask=None, scale=None, is_causal=False, head_
         kv_sel = torch.where(valid, kv_tok[si.clamp_min(0)], torch.zeros_like(si, dtype=kv_tok.dtype)).sum(-1)
         pairs = float((kv_sel.to(torch.float32) * q_tok.view(1, nqb, 1)).sum())
         effective = 1.0 - pairs / (b * n1 * sq * skv)
-    stats = SparseStats("sparse", "rf_v2", be, sparsity, effective, nqb, nkb, selection_out, selection is not None)
+    stats = SparseStats("sparse", "rf_v2", be, sparsity, effective, nqb, nkb, selection_out, selection is not None,
+                        selector, budget)
     return finish(out4, stats)

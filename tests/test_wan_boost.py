@@ -140,6 +140,9 @@ def test_boosted_transformer_compiles_and_matches_stock():
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ref = model(x, t, ctx).sample
-        compiled = torch.compile(lite_boost.boost(model))
+        boosted = lite_boost.boost(model)
+        eager = boosted(x, t, ctx).sample
+        compiled = torch.compile(boosted, fullgraph=True)  # no graph break (see test_compile.py)
         out = compiled(x, t, ctx).sample
     assert (out - ref).abs().max().item() <= TOL
+    assert (out - eager).abs().max().item() <= 1e-4

@@ -32,7 +32,9 @@ __all__ = ["BackendOverride", "raise_when_run"]
 class _ThreadMirror(threading.local):
     """Per-thread copy of the innermost ``force`` value, readable (and guarded) by dynamo."""
 
-    value: str | None = None
+    def __init__(self):
+        # an instance attribute (set per thread): dynamo guards it, not a class-level default
+        self.value: str | None = None
 
 
 class BackendOverride:

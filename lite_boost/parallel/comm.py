@@ -13,6 +13,13 @@ Every collective goes through a :class:`Communicator`, which also counts collect
 each rank sends to other ranks (benchmarks compare that count with the Ulysses lower bound). A
 communicator of size 1 turns every operation into a local no-op, so the same code runs unchanged in
 one process.
+
+Under ``torch.compile`` the Ulysses exchange and the sequence gather trace: inside a traced region
+they are issued as functional collectives (``torch.distributed._functional_collectives``, as in
+diffusers' context parallelism), which dynamo records in the graph and inductor schedules, on the same
+process group and therefore with the same timeout; eagerly they stay the in-place ``torch.distributed``
+calls. Collectives issued inside a compiled graph are not counted in :class:`CommStats` (counting them
+would make the counter a guard that recompiles at every call).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 __all__ = [
     "CommStats",
@@ -115,8 +123,26 @@ class Communicator:
         return self.stats
 
     def _record(self, op: str, sent: int, received: int) -> None:
-        if self.stats is not None:
+        if self.stats is not None and not torch.compiler.is_compiling():
             self.stats.record(op, sent, received)
+
+    @property
+    def _funcol_group(self):
+        return self.group if self.group is not None else dist.group.WORLD
+
+    def exchange(self, inp: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
+                 op: str = "all_to_all") -> torch.Tensor:
+        """All_to_all of a 1-D ``inp`` along dim 0 with explicit splits; returns a new tensor.
+
+        Traced by ``torch.compile``: one functional ``all_to_all_single`` in the graph. Eager: the
+        in-place ``dist.all_to_all_single`` into a fresh buffer (counted in the stats).
+        """
+        if self.size == 1:
+            return inp.clone()
+        if torch.compiler.is_compiling():
+            return funcol.all_to_all_single(inp, output_split_sizes, input_split_sizes, group=self._funcol_group)
+        out = inp.new_empty((sum(output_split_sizes),) + tuple(inp.shape[1:]))
+        return self.all_to_all_single(out, inp, output_split_sizes, input_split_sizes, op=op)
 
     # ------------------------------------------------------------------ primitives
     def all_to_all_single(self, output, inp, output_split_sizes=None, input_split_sizes=None, op="all_to_all"):
@@ -176,8 +202,11 @@ class Communicator:
             return x if length is None else x.narrow(dim % x.ndim, 0, length)
         dim = dim % x.ndim
         moved = x.movedim(dim, 0).contiguous()
-        out = moved.new_empty((self.size * moved.shape[0],) + tuple(moved.shape[1:]))
-        self.all_gather_into(out, moved, op="gather")
+        if torch.compiler.is_compiling():
+            out = funcol.all_gather_tensor(moved, 0, group=self._funcol_group)
+        else:
+            out = moved.new_empty((self.size * moved.shape[0],) + tuple(moved.shape[1:]))
+            self.all_gather_into(out, moved, op="gather")
         if length is not None:
             out = out[:length]
         return out.movedim(0, dim)
@@ -237,10 +266,7 @@ class Communicator:
                 dst[i].copy_(x[:, :, h0 : h0 + h])
             offset += unit * h
             h0 += h
-        recv = q.new_empty(P * unit * h_me)
-        self.all_to_all_single(
-            recv, send, [unit * h_me] * P, [unit * h for h in heads], op="qkv_to_heads"
-        )
+        recv = self.exchange(send, [unit * h_me] * P, [unit * h for h in heads], op="qkv_to_heads")
         full = recv.view(P, 3, B, s, h_me, D).permute(1, 2, 0, 3, 4, 5).reshape(3, B, P * s, h_me, D)
         if seq_len is not None and seq_len != P * s:
             full = full[:, :, :seq_len]
@@ -264,8 +290,7 @@ class Communicator:
             out = pad_dim(out, 1, P * s)
         send = out.reshape(B, P, s, h_me, D).transpose(0, 1).reshape(-1)
         unit = B * s * D
-        recv = out.new_empty(unit * num_heads)
-        self.all_to_all_single(recv, send, [unit * h for h in heads], [unit * h_me] * P, op="heads_to_seq")
+        recv = self.exchange(send, [unit * h for h in heads], [unit * h_me] * P, op="heads_to_seq")
         parts = recv.split([unit * h for h in heads])
         return torch.cat([p.view(B, s, h, D) for p, h in zip(parts, heads)], dim=2)
 

@@ -11,13 +11,18 @@ __all__ = ["boost", "unboost", "is_boosted"]
 def boost(target, config=None):
     """Patch a supported diffusers pipeline or model in place for faster inference and return it.
 
-    ``config`` may be a :class:`BoostConfig`, a :class:`SparseConfig` / :class:`ParallelConfig`, a
-    mapping with the same keys, or None (defaults: automatic attention backend, dense attention).
+    ``config`` may be a :class:`BoostConfig`, a :class:`SparseConfig` / :class:`ParallelConfig` /
+    :class:`CacheConfig`, a mapping with the same keys, or None (defaults: automatic attention
+    backend, dense attention, no step caching).
     The config is validated and the target's class looked up before anything is modified. Boosting
     again with the same config is a no-op; with another config the previous boost is replaced.
     """
     config = BoostConfig.coerce(config)
     fn = lookup(target)
+    if config.cache is not None:
+        from .cache import check_cache_support
+
+        check_cache_support(target, config.cache)  # method / model fit, before anything is modified
     return fn(target, config)
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "SparseConfig",
     "ParallelConfig",
     "BoostConfig",
+    "CacheConfig",
     "ATTENTION_BACKEND_NAMES",
     "SPARSE_BACKEND_NAMES",
 ]
@@ -219,6 +220,55 @@ class ParallelConfig(_ConfigMixin):
 
 
 @dataclass(frozen=True)
+class CacheConfig(_ConfigMixin):
+    """Step caching with one of diffusers' cache hooks (see :mod:`lite_boost.cache`).
+
+    method: "first_block_cache", "mag_cache", "taylorseer_cache", "pyramid_attention_broadcast" or
+        "sea_cache" (diffusers' FirstBlockCache, MagCache, TaylorSeer, PyramidAttentionBroadcast and
+        SeaCache configs).
+    params: the method's parameters, with diffusers' names and meanings (e.g. ``threshold``); checked
+        here against what the method accepts. Parameters not given keep the defaults of the model
+        adapter, then of diffusers.
+
+    ``CacheConfig.parse("first_block_cache:threshold=0.1")`` reads the CLI form; ``from_dict`` takes
+    ``{"method": ..., "params": {...}}`` or the flat ``{"method": ..., "threshold": ...}``.
+    """
+
+    method: str = "first_block_cache"
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        from .cache import validate_cache_params
+
+        object.__setattr__(self, "params", validate_cache_params(self.method, self.params))
+
+    @classmethod
+    def from_dict(cls, data):
+        if isinstance(data, (cls, type(None))):
+            return cls() if data is None else data
+        if isinstance(data, str):
+            return cls.parse(data)
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"CacheConfig expects a mapping or 'METHOD[:PARAM=VALUE,...]', got {type(data).__name__}")
+        data = dict(data)
+        method = data.pop("method", "first_block_cache")
+        params = dict(data.pop("params", None) or {})
+        params.update(data)  # flat form
+        return cls(method=method, params=params)
+
+    @classmethod
+    def parse(cls, spec: str) -> "CacheConfig":
+        """``"METHOD[:PARAM=VALUE,...]"``; lists and (low, high) pairs use ``/`` (``mag_ratios=1/0.98``)."""
+        from .cache import parse_cache_spec
+
+        method, params = parse_cache_spec(spec)
+        return cls(method=method, params=params)
+
+    def __hash__(self):
+        return hash((self.method, tuple(sorted((k, repr(v)) for k, v in self.params.items()))))
+
+
+@dataclass(frozen=True)
 class BoostConfig(_ConfigMixin):
     """Top-level config for ``lite_boost.boost`` / ``ParallelManager``.
 
@@ -226,12 +276,14 @@ class BoostConfig(_ConfigMixin):
     rope_cache_size: how many RoPE table sets (grid, head_dim, device, slice) are kept (LRU).
     sparse: SparseConfig or None (dense self-attention).
     parallel: ParallelConfig.
+    cache: CacheConfig, a mapping, a "METHOD[:PARAM=VALUE,...]" string, or None (no step caching).
     """
 
     attention_backend: str | None = None
     rope_cache_size: int = 8
     sparse: SparseConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig | None = None
 
     def __post_init__(self):
         _check_choice("attention_backend", self.attention_backend, (None,) + ATTENTION_BACKEND_NAMES)
@@ -244,6 +296,11 @@ class BoostConfig(_ConfigMixin):
             object.__setattr__(self, "parallel", ParallelConfig.from_dict(self.parallel))
         if not isinstance(self.parallel, ParallelConfig):
             raise ConfigError(f"parallel must be a ParallelConfig or a mapping, got {type(self.parallel).__name__}")
+        if isinstance(self.cache, (Mapping, str)):
+            object.__setattr__(self, "cache", CacheConfig.from_dict(self.cache))
+        if self.cache is not None and not isinstance(self.cache, CacheConfig):
+            raise ConfigError(f"cache must be a CacheConfig, a mapping, a 'METHOD[:PARAM=VALUE,...]' string or None, "
+                              f"got {type(self.cache).__name__}")
 
     @classmethod
     def coerce(cls, config: "BoostConfig | SparseConfig | ParallelConfig | Mapping | None") -> "BoostConfig":
@@ -256,6 +313,8 @@ class BoostConfig(_ConfigMixin):
             return cls(sparse=config)
         if isinstance(config, ParallelConfig):
             return cls(parallel=config)
+        if isinstance(config, CacheConfig):
+            return cls(cache=config)
         if isinstance(config, Mapping):
             return cls.from_dict(config)
         raise ConfigError(
@@ -264,4 +323,5 @@ class BoostConfig(_ConfigMixin):
         )
 
 
-_NESTED = {("BoostConfig", "sparse"): SparseConfig, ("BoostConfig", "parallel"): ParallelConfig}
+_NESTED = {("BoostConfig", "sparse"): SparseConfig, ("BoostConfig", "parallel"): ParallelConfig,
+           ("BoostConfig", "cache"): CacheConfig}

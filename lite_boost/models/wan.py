@@ -31,6 +31,7 @@ from ..ops.attention import attention
 from ..ops.rope import RopeCache, RotaryEmbedding, apply_rotary_emb, rope_tables, rotate
 from . import register_model
 from ._sparse_wan import attach_pipeline, install_sparse, uninstall_sparse
+from ._cache_wan import WAN_CACHE_ADAPTER, install_cache, uninstall_cache
 
 __all__ = [
     "DenseAttention",
@@ -249,6 +250,7 @@ def boost_wan_transformer(transformer, config: BoostConfig | None = None):
         transformer.rope.forward = CachedWanRope(transformer.rope, state)
         state.rope_patched = True
     install_sparse(transformer, state)  # block-sparse self-attention when config.sparse asks for it
+    install_cache(transformer, state)  # diffusers' step-cache hooks when config.cache asks for them
     transformer._lite_boost = state
     return transformer
 
@@ -263,6 +265,7 @@ def unboost_wan_transformer(transformer):
     if state.rope_patched and "forward" in transformer.rope.__dict__:
         del transformer.rope.forward
     uninstall_sparse(transformer, state)
+    uninstall_cache(transformer, state)
     del transformer._lite_boost
     return transformer
 
@@ -315,3 +318,5 @@ WAN_SHARDING_PLAN = ShardingPlan(
 WAN_PIPELINE_PLAN = PipelinePlan(transformers=TRANSFORMER_ATTRS, cfg=CfgPlan(), prepare_latents="prepare_latents")
 boost_wan_transformer.sharding_plan = WAN_SHARDING_PLAN
 boost_wan_pipeline.pipeline_plan = WAN_PIPELINE_PLAN
+boost_wan_transformer.cache_adapter = WAN_CACHE_ADAPTER  # step caching (diffusers' hooks), lite_boost.cache
+boost_wan_pipeline.cache_adapter = WAN_CACHE_ADAPTER

@@ -190,14 +190,22 @@ class _ModelParallel:
     hooks: SequenceParallelHooks | None = None
     cfg: _CfgForward | None = None
     patched: list = field(default_factory=list)  # instance attributes we set (to delete on restore)
+    priors: dict = field(default_factory=dict)  # instance attributes we replaced (e.g. a diffusers hook's forward)
+    cache: Any = None  # RankConsistentCache (step-cache decisions made once per sequence group)
 
     def remove(self, model):
+        if self.cache is not None:
+            self.cache.remove()
+            self.cache = None
         if self.hooks is not None:
             self.hooks.remove()
         for name in self.patched:
-            if name in model.__dict__:
+            if name in self.priors:
+                setattr(model, name, self.priors[name])
+            elif name in model.__dict__:
                 delattr(model, name)
         self.patched.clear()
+        self.priors.clear()
 
 
 @dataclass
@@ -255,6 +263,11 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh:
 
     config = BoostConfig.coerce(config)
     pplan, models = _resolve_target(target)  # raises before any collective
+    if config.cache is not None:
+        from ..cache import check_cache_support
+
+        check_cache_support(target, config.cache, cfg_degree=mesh.cfg_degree if mesh is not None
+                            else config.parallel.cfg_degree)  # method / model fit, before any collective
     if mesh is None:
         if config.parallel.cfg_degree > 1 and (pplan is None or pplan.cfg is None):
             raise ConfigError(
@@ -279,9 +292,24 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh:
     for _, model in models:
         state = _ModelParallel(mesh=mesh)
         if mesh.sequence_degree > 1:
-            state.hooks = SequenceParallelHooks(model, _sharding_plan(model), mesh.sequence).apply()
+            plan = _sharding_plan(model)
+            state.hooks = SequenceParallelHooks(model, plan, mesh.sequence).apply()
+            runtime = model._lite_boost.extras.get("cache")
+            if runtime is not None:  # data-dependent cache decisions: one statistic per sequence group
+                from .cache import make_cache_rank_consistent
+
+                seq_dim = next((s.dim for s in plan.split_inputs if s.defines_length and s.ndim is None), 1)
+                try:
+                    state.cache = make_cache_rank_consistent(model, mesh.sequence, state.hooks.info,
+                                                             seq_dim=seq_dim, runtime=runtime)
+                except Exception:
+                    state.hooks.remove()
+                    raise
         if mesh.cfg_degree > 1:
             cfg = _CfgForward(model, target, pplan.cfg, mesh)
+            for name in ("forward", "cache_context"):
+                if name in model.__dict__:  # e.g. a diffusers cache hook's forward: put it back on removal
+                    state.priors[name] = model.__dict__[name]
             model.forward = cfg
             _patch_cache_context(model, cfg)
             state.cfg = cfg

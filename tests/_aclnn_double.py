@@ -14,6 +14,7 @@ import functools
 import hashlib
 import os
 import pathlib
+import sys
 
 import torch
 
@@ -35,10 +36,12 @@ def _cache_dir() -> pathlib.Path:
     digest = hashlib.sha256()
     for path in SOURCES + HEADERS:
         digest.update(path.read_bytes())
-    base = os.environ.get("LITE_BOOST_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lite_boost")
+    if os.environ.get("LITE_BOOST_EXT_DIR"):  # the operator library's cache root (lite_boost/ops/_ext.py)
+        base = pathlib.Path(os.environ["LITE_BOOST_EXT_DIR"])
+    else:
+        base = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "lite_boost"
     tag = f"torch{torch.__version__.replace('+', '_')}-{digest.hexdigest()[:16]}"
-    return pathlib.Path(base) / "aclnn_double" / tag
+    return base / "aclnn_double" / tag
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,6 +50,10 @@ def load():
     from torch.utils import cpp_extension
 
     build = _cache_dir()
+    bindir = os.path.dirname(sys.executable)  # the venv's ninja when the venv is not activated
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    os.environ.setdefault("MAX_JOBS", "2")
     build.mkdir(parents=True, exist_ok=True)
     with open(build / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -55,7 +62,7 @@ def load():
                 name="lite_boost_aclnn_double",
                 sources=[str(s) for s in SOURCES],
                 extra_include_paths=[str(ROOT / "csrc")],
-                extra_cflags=["-O1"],
+                extra_cflags=["-O0"],  # test-only: compile time matters, not speed
                 build_directory=str(build),
                 is_python_module=False,
                 verbose=False,

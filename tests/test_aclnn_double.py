@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import importlib
 
@@ -88,6 +90,35 @@ def test_rain_fusion_bnsd_empty_rows_and_strided_query(ops, dtype, inner_precise
     assert not q.is_contiguous() and torch.isfinite(out).all()
     assert (out[0, 0, :16] == 0).all()
     torch.testing.assert_close(out.double(), rf_ref(q, k, v, idx, num, [16, 16], **kw), **tol(dtype))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_rain_fusion_random_cases(ops, data):
+    """TND varlen and BNSD, GQA, tail blocks, empty/one/all-block rows, batch > 1: translation + double vs reference."""
+    layout = data.draw(st.sampled_from(["TND", "BNSD"]))
+    batch = data.draw(st.integers(1, 3))
+    if layout == "TND":
+        lens_q = data.draw(st.lists(st.integers(0, 40), min_size=batch, max_size=batch))
+        lens_kv = data.draw(st.lists(st.integers(1, 40), min_size=batch, max_size=batch))
+    else:
+        lens_q = [data.draw(st.integers(1, 40))] * batch
+        lens_kv = [data.draw(st.integers(1, 40))] * batch
+    n2 = data.draw(st.sampled_from([1, 2]))
+    n1 = n2 * data.draw(st.sampled_from([1, 2, 4]))
+    d = data.draw(st.sampled_from([8, 24]))
+    bq, bk = data.draw(st.sampled_from([4, 8, 16])), data.draw(st.sampled_from([4, 8, 16]))
+    density = data.draw(st.sampled_from([0.0, 0.3, 1.0]))
+    dtype = data.draw(st.sampled_from([torch.float16, torch.bfloat16]))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    q, k, v = make_tnd(gen, lens_q, lens_kv, n1, n2, d, dtype)
+    kw = dict(actual_seq_lengths=lens_q, actual_seq_lengths_kv=lens_kv)
+    if layout == "BNSD":
+        q, k, v = (t.view(batch, -1, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+        kw = dict(q_input_layout="BNSD", kv_input_layout="BNSD")
+    idx, num = batched_selection(gen, lens_q, lens_kv, n1, bq, bk, density)
+    out, _ = ops.rain_fusion_attention(q, k, v, idx, num, [bq, bk], **kw)
+    torch.testing.assert_close(out.double(), rf_ref(q, k, v, idx, num, [bq, bk], **kw), **tol(dtype))
 
 
 def test_rain_fusion_two_phase_protocol(ops):

@@ -1,88 +1,114 @@
-"""Speed of the whole sparse_attention call (reorder, pool, mask, kernel, inverse) vs dense SDPA.
+"""Speed of the whole sparse_attention call (reorder, pool, mask, kernel, inverse) vs dense SDPA, per backend.
 
-    python benchmarks/bench_sparse_speed.py            # S in {8192, 16384, 32760}, fp32 + bf16
-    python benchmarks/bench_sparse_speed.py --quick    # S = 8192 only, 2 repetitions
+    python benchmarks/bench_sparse_speed.py            # S in {16384, 32760} x heads {1, 12}, fp32 + bf16
+    python benchmarks/bench_sparse_speed.py --quick    # S = 8192, 1 head, 2 repetitions
 
-B = 1, one head, D = 128, block 128, window (2, 8, 8), two threads. Dense baseline: PyTorch
-``scaled_dot_product_attention`` in the same process; runs are interleaved (dense, then each
-sparsity) and medians reported. "kernel" = rain_fusion_attention alone on already reordered
-tensors with the same mask; "full" = the whole sparse_attention call. Main rows use
-keep_sink=False so the computed fraction equals the requested budget; "defaults" rows keep the
-library defaults (first-frame blocks forced in both directions), whose effective sparsity is lower.
-Writes benchmarks/results/sparse_speed.{md,json} and sparse_speed.png.
+B = 1, D = 128, block 128, window (2, 8, 8), keep_sink=False (the computed fraction equals the
+budget), two threads. Baseline: PyTorch ``scaled_dot_product_attention`` in the same process.
+Each repetition runs dense SDPA, then every (sparsity, backend) configuration once (interleaved);
+medians are reported. Backends: "cpp" (the C++ kernel, torch.ops.lite_boost) at every sparsity
+including 0 (every block selected: sparse_attention would run dense SDPA there, so that row times
+``rain_fusion_attention`` with a full selection); "flex" (compiled FlexAttention) and "gather" (pure PyTorch)
+at 0.5 / 0.8 / 0.9, or only at 0.8 for the 12-head shapes, which are expensive. Repetitions:
+``--reps`` (default 5) for the 1-head shapes, ``--reps-big`` (default 3; 2 at 12 x 32,760) for
+12 heads. Results are written after every shape (benchmarks/results/sparse_speed.{md,json}) and
+plotted (sparse_speed.png). Run under ``flock /tmp/lite_boost_cpu.lock`` on a shared machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 import torch.nn.functional as F
 
 from bench_sparse_common import GRIDS, RESULTS, environment, markdown_table, median, timed, write
 
-from lite_boost.ops.rain_fusion import rain_fusion_attention
-from lite_boost.ops.sparse import sparse_attention
+from lite_boost.ops import _ext
 from lite_boost.ops._sparse_layout import token_order
+from lite_boost.ops.rain_fusion import rain_fusion_attention
+from lite_boost.ops.sparse import SparseStats, sparse_attention
 
 WINDOW = (2, 8, 8)
 BLOCK = 128
+HEADERS = ["S", "heads", "dtype", "sparsity", "backend", "effective sparsity", "dense SDPA s", "sparse call s",
+           "speed-up", "ideal", "% of ideal", "kernel only s", "kernel speed-up", "kernel % of ideal", "runs"]
 
 
-def run(seq_lens, dtypes, sparsities, reps, heads=1, d=128):
+def configs(heads, backends, sparsities):
+    out = [(0.0, "cpp")] if "cpp" in backends else []
+    for sp in sparsities:
+        for b in backends:
+            if b != "cpp" and heads > 1 and sp != 0.8:
+                continue  # flex / gather on 12 heads: the target sparsity only
+            out.append((sp, b))
+    return out
+
+
+def run_shape(s, heads, dtype, backends, sparsities, reps, d=128):
+    grid = GRIDS[s]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, s, d, generator=gen).to(dtype) for _ in range(3))
+    cfgs = configs(heads, backends, sparsities)
+
+    nb = -(-s // BLOCK)
+    full_idx = torch.arange(nb).expand(nb, heads, nb).contiguous()
+    full_num = torch.full((nb, heads), nb)
+
+    def call(sp, backend):
+        if sp == 0.0:  # sparse_attention runs dense SDPA when every block is kept: time the kernel itself
+            out, _ = rain_fusion_attention(q, k, v, full_idx, full_num, [BLOCK, BLOCK], q_input_layout="BNSD",
+                                           kv_input_layout="BNSD", backend=backend)
+            return out, SparseStats("sparse", "every block selected", backend, 0.0, 0.0)
+        return sparse_attention(q, k, v, head_num=heads, sparse_type="rf_v2", block_size=BLOCK, latent_shape_q=grid,
+                                sparsity=sp, window=WINDOW, keep_sink=False, backend=backend, return_stats=True)
+
+    stats, prepared = {}, {}
+    order = token_order(grid, WINDOW, 0).perm
+    qc, kc, vc = (t.index_select(2, order) for t in (q, k, v))
+    for cfg in cfgs:  # warm-up: compiles flex, computes the masks the kernel-only timing reuses
+        if cfg[0] == 0.0:
+            prepared[cfg] = (q, k, v, full_idx, full_num)
+            continue
+        st = call(*cfg)[1]
+        prepared[cfg] = (qc, kc, vc, st.selection.select_idx, st.selection.select_num)
+
+    def kernel(cfg):
+        a, b, c, idx, num = prepared[cfg]
+        return rain_fusion_attention(a, b, c, idx, num, [BLOCK, BLOCK], q_input_layout="BNSD",
+                                     kv_input_layout="BNSD", backend=cfg[1])
+
+    F.scaled_dot_product_attention(q, k, v)
+    dense_t, sparse_t, kern_t = [], {c: [] for c in cfgs}, {c: [] for c in cfgs}
+    for _ in range(reps):
+        dense_t.append(timed(lambda: F.scaled_dot_product_attention(q, k, v))[0])
+        for cfg in cfgs:
+            t, (_, st) = timed(lambda: call(*cfg))
+            sparse_t[cfg].append(t)
+            stats[cfg] = st
+            if cfg[0] == 0.0:
+                kern_t[cfg].append(t)
+            elif heads == 1 or cfg[1] == "cpp":
+                kern_t[cfg].append(timed(lambda: kernel(cfg))[0])
+    dm = median(dense_t)
     rows, data = [], []
-    for dtype in dtypes:
-        for s in seq_lens:
-            grid = GRIDS[s]
-            gen = torch.Generator().manual_seed(0)
-            q, k, v = (torch.randn(1, heads, s, d, generator=gen).to(dtype) for _ in range(3))
-            configs = [(sp, False) for sp in sparsities] + ([(0.8, True)] if dtype == torch.float32 else [])
-
-            def call(sp, sink):
-                return sparse_attention(q, k, v, head_num=heads, sparse_type="rf_v2", block_size=BLOCK,
-                                        latent_shape_q=grid, sparsity=sp, window=WINDOW, keep_sink=sink,
-                                        return_stats=True)
-
-            order = token_order(grid, WINDOW, 0)
-            prepared = {}
-            for cfg in configs:  # warm-up: compile and build the masks used by the kernel-only timing
-                _, stats = call(*cfg)
-                sel = stats.selection
-                qc, kc, vc = (t.index_select(2, order.perm) for t in (q, k, v))
-                prepared[cfg] = (stats, qc, kc, vc, sel)
-                rain_fusion_attention(qc, kc, vc, sel.select_idx, sel.select_num, [BLOCK, BLOCK],
-                                      q_input_layout="BNSD", kv_input_layout="BNSD")
-            F.scaled_dot_product_attention(q, k, v)
-            dense_t = []
-            full_t = {cfg: [] for cfg in configs}
-            kern_t = {cfg: [] for cfg in configs}
-            for _ in range(reps):
-                dense_t.append(timed(lambda: F.scaled_dot_product_attention(q, k, v))[0])
-                for cfg in configs:
-                    full_t[cfg].append(timed(lambda: call(*cfg))[0])
-                    stats, qc, kc, vc, sel = prepared[cfg]
-                    kern_t[cfg].append(timed(lambda: rain_fusion_attention(
-                        qc, kc, vc, sel.select_idx, sel.select_num, [BLOCK, BLOCK], q_input_layout="BNSD",
-                        kv_input_layout="BNSD"))[0])
-            dm = median(dense_t)
-            for cfg in configs:
-                sp, sink = cfg
-                stats = prepared[cfg][0]
-                fm, km = median(full_t[cfg]), median(kern_t[cfg])
-                ideal = 1.0 / (1.0 - sp)
-                ideal_eff = 1.0 / (1.0 - stats.effective_sparsity)
-                rec = dict(S=s, grid=grid, dtype=str(dtype).replace("torch.", ""), sparsity=sp,
-                           keep_sink=sink, effective_sparsity=round(stats.effective_sparsity, 4),
-                           backend=stats.backend, dense_s=dm, full_s=fm, kernel_s=km, speedup=dm / fm,
-                           kernel_speedup=dm / km, ideal=ideal, frac_ideal=dm / fm / ideal,
-                           frac_ideal_effective=dm / fm / ideal_eff, reps=reps,
-                           dense_all=dense_t, full_all=full_t[cfg])
-                data.append(rec)
-                rows.append([s, rec["dtype"], sp, "defaults" if sink else "budget", f"{stats.effective_sparsity:.3f}",
-                             stats.backend, f"{dm:.3f}", f"{fm:.3f}", f"{km:.3f}", f"{dm / fm:.2f}x",
-                             f"{ideal:.2f}x", f"{100 * dm / fm / ideal:.0f}%", f"{100 * dm / fm / ideal_eff:.0f}%"])
-                print(rows[-1], flush=True)
+    for cfg in cfgs:
+        sp, backend = cfg
+        st = stats[cfg]
+        assert st.backend == backend, (st.backend, backend)
+        fm = median(sparse_t[cfg])
+        km = median(kern_t[cfg]) if kern_t[cfg] else float("nan")
+        ideal = 1.0 / (1.0 - sp)
+        rec = dict(S=s, heads=heads, grid=grid, dtype=str(dtype).replace("torch.", ""), sparsity=sp, backend=backend,
+                   effective_sparsity=round(st.effective_sparsity, 4), dense_s=dm, sparse_s=fm, speedup=dm / fm,
+                   ideal=ideal, frac_ideal=dm / fm / ideal, kernel_s=km, kernel_speedup=dm / km,
+                   kernel_frac_ideal=dm / km / ideal, reps=reps, dense_all=dense_t, sparse_all=sparse_t[cfg],
+                   kernel_all=kern_t[cfg])
+        data.append(rec)
+        rows.append([s, heads, rec["dtype"], sp, backend, f"{st.effective_sparsity:.3f}", f"{dm:.3f}", f"{fm:.3f}",
+                     f"{dm / fm:.2f}x", f"{ideal:.2f}x", f"{100 * dm / fm / ideal:.0f}%", f"{km:.3f}",
+                     f"{dm / km:.2f}x", f"{100 * dm / km / ideal:.0f}%", reps])
+        print(rows[-1], flush=True)
     return rows, data
 
 
@@ -92,53 +118,75 @@ def plot(data, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    sp = sorted({r["sparsity"] for r in data})
-    xs = [x / 100 for x in range(0, 95)]
-    ax.plot(xs, [1 / (1 - x) for x in xs], "k--", lw=1, label="ideal 1/(1-s)")
-    for dtype in sorted({r["dtype"] for r in data}):
-        for s in sorted({r["S"] for r in data}):
-            pts = [r for r in data if r["dtype"] == dtype and r["S"] == s and not r["keep_sink"]]
-            if pts:
-                ax.plot([r["sparsity"] for r in pts], [r["speedup"] for r in pts], "o-" if dtype == "float32" else "s:",
-                        label=f"S={s} {dtype}")
-    ax.set_xlabel("sparsity")
-    ax.set_ylabel("speed-up vs dense SDPA (whole call)")
-    ax.set_xlim(min(sp) - 0.05, max(sp) + 0.03)
-    ax.set_ylim(0, 11)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title("lite_boost sparse_attention (rf_v2) on CPU, 2 threads, D=128")
+    dtypes = sorted({r["dtype"] for r in data}, reverse=True)
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6.2 * len(dtypes), 4.4), squeeze=False)
+    xs = [x / 100 for x in range(0, 93)]
+    style = {"cpp": "o-", "flex": "s--", "gather": "^:"}
+    for ax, dtype in zip(axes[0], dtypes):
+        ax.plot(xs, [1 / (1 - x) for x in xs], "k--", lw=1, label="ideal 1/(1-s)")
+        for backend in ("cpp", "flex", "gather"):
+            for s in sorted({r["S"] for r in data}):
+                for h in sorted({r["heads"] for r in data}):
+                    pts = sorted((r for r in data if r["dtype"] == dtype and r["S"] == s and r["heads"] == h
+                                  and r["backend"] == backend), key=lambda r: r["sparsity"])
+                    if pts:
+                        ax.plot([r["sparsity"] for r in pts], [r["speedup"] for r in pts], style[backend],
+                                ms=4, label=f"{backend} S={s} x{h}h")
+        ax.set_xlabel("sparsity")
+        ax.set_ylabel("speed-up vs dense SDPA (whole sparse_attention call)")
+        ax.set_ylim(0, 11)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, ncol=2)
+        ax.set_title(f"{dtype}, CPU, 2 threads, D=128")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="S = 8192 only, 2 repetitions")
-    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per configuration (default 3)")
+    ap.add_argument("--quick", action="store_true", help="S = 8192, 1 head, 2 repetitions")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions for 1-head shapes")
+    ap.add_argument("--reps-big", type=int, default=3, help="repetitions for 12-head shapes (2 at S=32760)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--seq", default=None, help="comma-separated sequence lengths (8192,16384,32760)")
+    ap.add_argument("--seq", default=None, help="comma-separated sequence lengths (default 16384,32760)")
+    ap.add_argument("--heads", default="1,12")
+    ap.add_argument("--backends", default="cpp,flex,gather")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    seq = [8192] if args.quick else [8192, 16384, 32760]
+    lib = _ext.load()
+    backends = [b for b in args.backends.split(",") if b != "cpp" or lib.loaded]
+    seq = [8192] if args.quick else [16384, 32760]
     if args.seq:
         seq = [int(x) for x in args.seq.split(",")]
-    reps = args.reps or (2 if args.quick else 3)
+    heads = [1] if args.quick else [int(x) for x in args.heads.split(",")]
     dtypes = [getattr(torch, x) for x in args.dtypes.split(",")]
-    rows, data = run(seq, dtypes, [0.5, 0.8, 0.9], reps)
-    headers = ["S", "dtype", "sparsity", "mask", "effective sparsity", "backend", "dense SDPA s", "sparse call s",
-               "kernel only s", "speed-up", "ideal", "% of ideal", "% of ideal at effective sparsity"]
-    text = (f"### sparse_attention speed vs dense SDPA\n\n{environment()}; B=1, N=1, D=128, block 128, window "
-            f"{WINDOW}, medians of {reps} interleaved runs.\n\n" + markdown_table(headers, rows))
     name = "sparse_speed_quick" if args.quick else "sparse_speed"
-    write(name, text, data)
-    try:
-        plot(data, RESULTS / f"{name}.png")
-        print(f"plot: {RESULTS / (name + '.png')}")
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install matplotlib)")
+    rows, data = [], []
+    for h in heads:
+        for s in seq:
+            for dtype in dtypes:
+                if args.quick:
+                    reps = 2
+                elif h == 1:
+                    reps = args.reps
+                else:
+                    reps = min(args.reps_big, 2) if s >= 32760 else args.reps_big
+                r, d = run_shape(s, h, dtype, backends, [0.5, 0.8, 0.9], reps)
+                rows += r
+                data += d
+                text = (f"### sparse_attention speed vs dense SDPA, per block-sparse backend\n\n{environment()}; "
+                        f"B=1, D=128, block 128, window {WINDOW}, keep_sink=False, medians of interleaved runs "
+                        "(runs column). 'sparse call' = the whole sparse_attention call (reorder, pool, select, "
+                        "kernel, inverse); 'kernel only' = rain_fusion_attention on the already reordered tensors "
+                        "with the same selection (1-head shapes: every backend; 12 heads: cpp). "
+                        f"C++ library: {'built' if lib.loaded else 'not built: ' + str(lib.reason)}"
+                        "\n\n" + markdown_table(HEADERS, rows))
+                write(name, text, data)
+                try:
+                    plot(data, RESULTS / f"{name}.png")
+                except ImportError:
+                    print("matplotlib not installed: no plot (pip install matplotlib)")
 
 
 if __name__ == "__main__":

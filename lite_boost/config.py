@@ -187,12 +187,28 @@ class ParallelConfig(_ConfigMixin):
     cfg_degree: 1 or 2 (conditional and unconditional passes on different rank groups).
     timeout_s: collective timeout in seconds; a dead or failing rank makes the others exit.
     backend: torch.distributed backend (None = nccl on CUDA, hccl on NPU, gloo on CPU).
+    vae_parallel: how the pipeline's VAE decode / encode is spread over all ranks
+        (:mod:`lite_boost.parallel.vae`): "exact" (spatial split with halo exchange, equal to the
+        one-process result up to fp32 rounding), "chunked" (the reference's temporal chunks with
+        ``vae_overlap`` warm-up latent frames, approximate at the seams), "off" (every rank runs the
+        whole VAE), None = "exact" whenever the world size is above 1. ``True`` / ``False`` keep the
+        reference's boolean meaning ("chunked" / "off").
+    vae_chunk_size: latent frames per chunk in "chunked" mode; None = one cost-balanced chunk per rank.
+    vae_overlap: warm-up latent frames before each chunk in "chunked" mode (>= 1); None = the VAE
+        adapter's default (chosen from the seam study in the README).
+    vae_gather: "all" (the decoded video on every rank) or "rank0" (only rank 0 gets it, the others
+        an empty 0-frame tensor; saves memory) in "chunked" mode; "exact" mode assembles every frame
+        on every rank (its per-frame loop needs the whole frame), so it accepts only "all".
     """
 
     sequence_degree: int | None = None
     cfg_degree: int = 1
     timeout_s: float = 600.0
     backend: str | None = None
+    vae_parallel: str | bool | None = None
+    vae_chunk_size: int | None = None
+    vae_overlap: int | None = None
+    vae_gather: str = "all"
 
     def __post_init__(self):
         _check_int("sequence_degree", self.sequence_degree, lo=1, allow_none=True)
@@ -200,6 +216,21 @@ class ParallelConfig(_ConfigMixin):
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
         _check_choice("backend", self.backend, (None, "gloo", "nccl", "hccl"))
+        if isinstance(self.vae_parallel, bool):
+            object.__setattr__(self, "vae_parallel", "chunked" if self.vae_parallel else "off")
+        _check_choice("vae_parallel", self.vae_parallel, (None, "exact", "chunked", "off"))
+        _check_int("vae_chunk_size", self.vae_chunk_size, lo=1, allow_none=True)
+        _check_int("vae_overlap", self.vae_overlap, lo=1, allow_none=True)
+        _check_choice("vae_gather", self.vae_gather, ("all", "rank0"))
+        if self.vae_parallel != "chunked":
+            mode = f"{self.vae_parallel!r}" if self.vae_parallel else "None (exact when world_size > 1)"
+            for name in ("vae_chunk_size", "vae_overlap"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"{name}={getattr(self, name)} applies to vae_parallel='chunked' only, but "
+                                      f"vae_parallel is {mode}; set vae_parallel='chunked' or drop {name}")
+            if self.vae_gather != "all":
+                raise ConfigError(f"vae_gather={self.vae_gather!r} applies to vae_parallel='chunked' only, but "
+                                  f"vae_parallel is {mode}; valid vae_gather here: ['all']")
 
     def resolve(self, world_size: int) -> tuple[int, int]:
         """Return (cfg_degree, sequence_degree) for ``world_size`` or raise listing valid choices."""

@@ -61,3 +61,4 @@ def lookup(target: object) -> BoostFn:
 
 
 from . import wan  # noqa: E402,F401  (registers the Wan adapters)
+from . import wan_vae  # noqa: E402,F401  (registers the Wan parallel-VAE adapter)

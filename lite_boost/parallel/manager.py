@@ -239,6 +239,41 @@ def _broadcast_latents(pipe, name: str, mesh: ParallelMesh):
     object.__setattr__(pipe, name, prepare)
 
 
+# ------------------------------------------------------------------------------------------ VAE
+def _check_vae(target, config: BoostConfig, mesh: ParallelMesh | None):
+    """The parallel-VAE adapter of ``target.vae`` when the VAE will run parallel, else None.
+
+    Raises (UnsupportedVAEError, ConfigError) before any collective. The world size comes from the
+    given mesh, an existing default process group or the torchrun environment.
+    """
+    vae = getattr(target, "vae", None)
+    mode = config.parallel.vae_parallel
+    if vae is None or mode == "off":
+        return None
+    if mesh is not None:
+        world = mesh.world_size
+    elif torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+    else:
+        from .groups import read_torchrun_env
+
+        world = read_torchrun_env()[2]
+    if world == 1:
+        return None
+    from .vae import vae_adapter_for
+
+    return vae_adapter_for(vae)
+
+
+def _install_vae(vae, adapter, config: BoostConfig, mesh: ParallelMesh) -> None:
+    from .vae import parallelize_vae
+
+    p = config.parallel
+    runner = parallelize_vae(vae, mesh.world, mode=p.vae_parallel, overlap=p.vae_overlap,
+                             chunk_size=p.vae_chunk_size, gather=p.vae_gather, timeout_s=p.timeout_s, adapter=adapter)
+    logger.info("lite_boost parallel VAE: %s", runner)
+
+
 # ------------------------------------------------------------------------------------------ API
 def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh: ParallelMesh | None = None,
                     init_method: str | None = None, device=None, move_to_device: bool = True):
@@ -249,7 +284,9 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh:
             Wan2.2 two-transformer variants) or transformer (``WanTransformer3DModel``).
         config: BoostConfig / ParallelConfig / mapping / None. ``parallel.cfg_degree`` (1 or 2) and
             ``parallel.sequence_degree`` (default world_size // cfg_degree) shape the mesh;
-            ``parallel.timeout_s`` bounds every collective.
+            ``parallel.timeout_s`` bounds every collective; ``parallel.vae_parallel`` ("exact" by default
+            on more than one rank, "chunked" or "off") spreads ``target.vae``'s decode / encode over all
+            ranks (:mod:`lite_boost.parallel.vae`).
         mesh: an existing mesh from ``initialize_usp`` (default: create one from the torchrun env).
         init_method: rendezvous URL when this call initialises torch.distributed (default env://).
         device: override the rank's device (default from LOCAL_RANK).
@@ -263,6 +300,7 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh:
 
     config = BoostConfig.coerce(config)
     pplan, models = _resolve_target(target)  # raises before any collective
+    vae_adapter = _check_vae(target, config, mesh)  # unsupported VAE / bad VAE settings: before any collective
     if config.cache is not None:
         from ..cache import check_cache_support
 
@@ -316,6 +354,8 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh:
             state.patched += ["forward", "cache_context"]
         model._lite_boost.extras[_MODEL_KEY] = state
 
+    if vae_adapter is not None:
+        _install_vae(target.vae, vae_adapter, config, mesh)
     if pplan is not None:
         pstate = _PipelineParallel(mesh=mesh, config=config, models=[m for _, m in models])
         if pplan.prepare_latents and hasattr(target, pplan.prepare_latents):
@@ -328,6 +368,11 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh:
 
 def unparallelize(target):
     """Remove what ParallelManager added (hooks, wrappers); the target stays boosted. Returns it."""
+    vae = getattr(target, "vae", None)
+    if vae is not None:
+        from .vae import unparallelize_vae
+
+        unparallelize_vae(vae)
     pstate = target.__dict__.get(_PIPE_ATTR) if hasattr(target, "__dict__") else None
     if pstate is not None:
         for name in pstate.patched:

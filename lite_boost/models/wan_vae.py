@@ -1,0 +1,130 @@
+"""Parallel-VAE adapter for diffusers' ``AutoencoderKLWan`` (Wan2.1 and Wan2.2 VAEs).
+
+Facts it encodes (diffusers 0.42, ``autoencoder_kl_wan.py``):
+
+* ``_decode(z, return_dict)`` runs ``decoder`` once per latent frame with a fresh causal cache; the
+  first call of a fresh cache yields one video frame (the temporal upsamplers replicate instead of
+  convolving), every later one ``t = 2 ** sum(temperal_downsample)`` frames (4 for Wan). A fresh
+  ``_decode`` on the latent frames ``[w, stop)`` therefore treats frame ``w`` as frame 0: that is
+  exactly the warm-up of a chunk starting at ``start > w`` (drop the first ``1 + t * (start - w - 1)``
+  frames), and exactly the sequential decode when ``w == 0`` (a prefix decode is bit-identical).
+* ``_encode(x)`` runs ``encoder`` on video frame 0 alone, then on groups of ``t`` frames (latent
+  frame ``i >= 1`` comes from video frames ``[1 + t(i-1), 1 + t*i)``), and applies ``quant_conv``. A
+  fresh ``_encode`` starting at video frame ``t*(w-1)`` (the last frame of group ``w - 1``) plays that
+  frame as frame 0, then groups ``w, w+1, ...``: the warm-up of an encode chunk.
+* Spatial tiling (``enable_tiling``) lives inside ``_decode`` / ``_encode`` and the networks are
+  called per tile, so both modes compose with it unchanged.
+* Spatially, every module is row-local except the 3x3 convolutions (``WanCausalConv3d`` with a
+  spatial kernel, the ``Conv2d`` after each nearest upsample: zero padding 1), the stride-2
+  downsampling ``Conv2d`` after ``ZeroPad2d((0, 1, 0, 1))``, and ``WanAttentionBlock`` (attention over
+  all positions of a frame): those are what the exact mode hooks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..parallel.vae import SpatialLayout, VAEAdapter, register_vae_adapter
+
+__all__ = ["WanVAEAdapter", "WAN_VAE_DEFAULT_OVERLAP"]
+
+# Chosen from the seam study on the trained small Wan VAE (README, "Parallel VAE").
+WAN_VAE_DEFAULT_OVERLAP = 2
+
+
+def _return_dict(args, kwargs) -> bool:
+    if args:
+        return bool(args[0])
+    return bool(kwargs.get("return_dict", True))
+
+
+@register_vae_adapter("AutoencoderKLWan")
+class WanVAEAdapter(VAEAdapter):
+    decode_method = "_decode"
+    encode_method = "_encode"
+    default_overlap = WAN_VAE_DEFAULT_OVERLAP
+
+    def __init__(self, vae):
+        super().__init__(vae)
+        cfg = vae.config
+        self.t = 2 ** sum(bool(b) for b in vae.temperal_downsample)
+        self.patch = cfg.patch_size or 1
+        self.scale = 2 ** (len(cfg.dim_mult) - 1) * self.patch
+        self.out_channels = cfg.out_channels
+        self.z_dim = cfg.z_dim
+
+    # --- frame bookkeeping
+    def num_units(self, inp, kind):
+        n = inp.shape[2]
+        return n if kind == "decode" else 1 + (n - 1) // self.t
+
+    def out_frames(self, start, stop, kind):
+        if kind == "encode":
+            return stop - start
+        return self.t * (stop - start) - (self.t - 1 if start == 0 else 0)
+
+    def out_shape(self, inp, kind):
+        B, _, _, H, W = inp.shape
+        n = self.num_units(inp, kind)
+        if kind == "decode":
+            return (B, self.out_channels, self.out_frames(0, n, kind), H * self.scale, W * self.scale)
+        return (B, 2 * self.z_dim, n, H // self.scale, W // self.scale)
+
+    # --- running one chunk through the VAE's own method
+    def run_chunk(self, inner, inp, chunk, kind):
+        w, s, e = chunk.warm_start, chunk.start, chunk.stop
+        if kind == "decode":
+            out = inner(inp[:, :, w:e], return_dict=False)[0]
+            drop = 0 if s == 0 else self.out_frames(0, s - w, kind)  # frame w plays frame 0
+            return out[:, :, drop:]
+        t = self.t
+        if w == 0:
+            out = inner(inp[:, :, : 1 + t * (e - 1)])
+            return out[:, :, s:]
+        out = inner(inp[:, :, t * (w - 1) : 1 + t * (e - 1)])
+        return out[:, :, s - w + 1 :]
+
+    def wrap(self, tensor, kind, *args, **kwargs):
+        if kind == "encode":
+            return tensor
+        from diffusers.models.autoencoders.vae import DecoderOutput
+
+        return DecoderOutput(sample=tensor) if _return_dict(args, kwargs) else (tensor,)
+
+    # --- exact mode: which modules need halos
+    def spatial_layout(self, kind):
+        from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock, WanCausalConv3d, WanResample
+
+        root = self.vae.decoder if kind == "decode" else self.vae.encoder
+        layout = SpatialLayout(root=root)
+        down = set()
+        n_down = 0
+        for mod in root.modules():
+            if isinstance(mod, WanResample) and mod.mode in ("downsample2d", "downsample3d"):
+                n_down += 1
+                down.add(id(mod.resample[1]))
+        layout.unit = 2 ** n_down if kind == "encode" else 1
+        for name, mod in root.named_modules():
+            if isinstance(mod, WanAttentionBlock):
+                layout.gather.append(mod)
+            elif isinstance(mod, WanCausalConv3d):
+                k_h, k_w = mod.kernel_size[1:]
+                if k_h == 1 and k_w == 1:
+                    continue
+                pad = mod._padding  # (w, w, h, h, 2t, 0)
+                if mod.stride[1:] != (1, 1) or pad[2] != pad[3] or 2 * pad[2] + 1 != k_h:
+                    raise NotImplementedError(f"exact parallel VAE: unsupported spatial convolution {name}: {mod}")
+                layout.halo.append((mod, pad[2]))
+            elif isinstance(mod, nn.Conv2d):
+                if id(mod) in down:
+                    if mod.stride != (2, 2) or mod.padding != (0, 0) or mod.kernel_size != (3, 3):
+                        raise NotImplementedError(f"exact parallel VAE: unsupported downsampling conv {name}: {mod}")
+                    layout.bottom_halo.append(mod)
+                elif mod.kernel_size != (1, 1):
+                    if mod.stride != (1, 1) or 2 * mod.padding[0] + 1 != mod.kernel_size[0]:
+                        raise NotImplementedError(f"exact parallel VAE: unsupported spatial convolution {name}: {mod}")
+                    layout.halo.append((mod, mod.padding[0]))
+            elif isinstance(mod, (nn.Conv3d, nn.Conv1d, nn.MaxPool2d, nn.AvgPool2d)) and not isinstance(mod, WanCausalConv3d):
+                raise NotImplementedError(f"exact parallel VAE: unexpected module {name}: {type(mod).__name__}")
+        return layout

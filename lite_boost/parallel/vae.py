@@ -1,0 +1,674 @@
+"""Parallel decode / encode for causal video VAEs: a model-agnostic runner and its two modes.
+
+A causal video VAE (Wan's ``AutoencoderKLWan`` is the one with an adapter today) runs its decoder
+one latent frame at a time, carrying a causal feature cache from frame to frame; the encoder does
+the same over groups of video frames. This module spreads that work over the ranks of a
+:class:`~lite_boost.parallel.comm.Communicator` in one of two ways:
+
+``"chunked"`` (the reference's temporal chunks, approximate)
+    The latent frames are cut into contiguous chunks (:func:`plan_chunks`). A chunk ``[start,
+    stop)`` that does not start at frame 0 first warms a fresh causal cache on the ``overlap``
+    preceding latent frames (its first warm-up frame plays the role of frame 0), drops that warm-up
+    output, then decodes its own frames. The chunk starting at frame 0 runs exactly like the
+    sequential decode (bit-identical); the others differ from it only by what the cache forgot,
+    which the seam study in the README measures on a trained VAE. Each rank concatenates its
+    chunks, pads them to the longest rank's length and ONE all_gather (or gather to rank 0) of
+    those equal-size buffers assembles the video in frame order. Every rank takes part in the
+    collective even when it owns no chunk, so fewer chunks than ranks never hang.
+
+``"exact"`` (spatial split with halo exchange; equal to the sequential result up to fp32 rounding)
+    Every call of the VAE's decoder (encoder) network is split by rows: each rank runs the network
+    on its horizontal band of the input. Before every convolution with a spatial extent the ranks
+    swap the boundary rows the kernel needs (one packed all_to_all per convolution, carrying the
+    input and its causal cache together); modules that mix all positions (the mid-block attention)
+    see the gathered full input and keep their band of the output; the call's output bands are
+    gathered at the end. Each rank keeps the causal cache of its own band only, so the temporal
+    loop, the frame bookkeeping and the VAE's own spatial tiling (each tile is split the same way)
+    are the model's own code, untouched.
+
+Trade-off: chunked sends only the decoded video (one collective) and scales to any rank count, but
+its seams are approximate and every non-first chunk recomputes ``overlap`` warm-up frames; exact
+pays one small collective per convolution per frame (a row of activations each way) and needs at
+least one latent row per rank, but its output is the sequential output.
+
+What is model-specific (how a frame range maps to video frames, which method to wrap, which modules
+need halos) lives in a per-model :class:`VAEAdapter` registered with :func:`register_vae_adapter`
+(``lite_boost.models.wan_vae`` registers Wan's). This module knows no model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError
+from .comm import Communicator, pad_dim
+
+__all__ = [
+    "VAE_MODES",
+    "VAE_GATHER",
+    "Chunk",
+    "ChunkPlan",
+    "ParallelVAE",
+    "SpatialLayout",
+    "UnsupportedVAEError",
+    "VAEAdapter",
+    "VAECollectiveError",
+    "parallel_vae_state",
+    "parallelize_vae",
+    "plan_chunks",
+    "register_vae_adapter",
+    "split_rows",
+    "unparallelize_vae",
+    "vae_adapter_for",
+]
+
+logger = logging.getLogger("lite_boost.parallel.vae")
+
+VAE_MODES = ("exact", "chunked", "off")
+VAE_GATHER = ("all", "rank0")
+_STATE_ATTR = "_lite_boost_parallel_vae"
+
+
+# ------------------------------------------------------------------------------------------ errors
+class UnsupportedVAEError(TypeError):
+    """The VAE's class (and none of its bases) has a registered parallel-VAE adapter."""
+
+
+class VAECollectiveError(RuntimeError):
+    """A collective of the parallel VAE failed or timed out; the message names it and the group."""
+
+
+# ------------------------------------------------------------------------------------------ registry
+# class name -> adapter class; filled at import by ``register_vae_adapter`` decorators (models/).
+_ADAPTERS: dict[str, type] = {}
+
+
+def register_vae_adapter(*class_names: str, replace: bool = False):
+    """Class decorator: register a :class:`VAEAdapter` subclass for the named VAE classes."""
+    if not class_names or not all(isinstance(n, str) and n for n in class_names):
+        raise ValueError(f"register_vae_adapter needs one or more class names, got {class_names!r}")
+
+    def deco(cls):
+        for name in class_names:
+            if name in _ADAPTERS and _ADAPTERS[name] is not cls and not replace:
+                raise ValueError(f"a parallel-VAE adapter is already registered for {name!r}; pass replace=True")
+            _ADAPTERS[name] = cls
+        return cls
+
+    return deco
+
+
+def _load_builtin_adapters() -> None:
+    from .. import models  # noqa: F401  (importing the adapters registers them)
+
+
+def vae_adapter_for(vae) -> "VAEAdapter":
+    """The adapter instance for ``vae`` (its class or nearest registered base), or UnsupportedVAEError."""
+    _load_builtin_adapters()
+    for cls in type(vae).__mro__:
+        adapter_cls = _ADAPTERS.get(cls.__name__)
+        if adapter_cls is not None:
+            return adapter_cls(vae)
+    raise UnsupportedVAEError(
+        f"lite_boost has no parallel-VAE adapter for {type(vae).__name__}; VAE classes with one: "
+        f"{sorted(_ADAPTERS)}. Set ParallelConfig(vae_parallel='off') to leave this VAE sequential, or "
+        "register an adapter with lite_boost.parallel.vae.register_vae_adapter."
+    )
+
+
+# ------------------------------------------------------------------------------------------ adapter API
+@dataclass
+class SpatialLayout:
+    """Which modules of one network (decoder or encoder) the exact mode hooks, and how.
+
+    root: the network module; each of its calls is split by rows (dim -2) and gathered after.
+    unit: the root input's rows per band must be a multiple of this (the network's spatial
+        downsampling factor, so every band stays aligned at every resolution).
+    halo: modules with a symmetric spatial kernel (stride 1, zero padding ``p`` rows each side):
+        every tensor argument gets ``p`` neighbour rows each side, the output is trimmed by ``p``.
+    bottom_halo: stride-2 convolutions fed by an explicit (0, 1, 0, 1) zero pad: the padded last
+        row is replaced by the next band's first row.
+    gather: modules that mix all positions (attention): they see the gathered input and keep their
+        band of the output (computed redundantly on every rank; keep these small).
+    """
+
+    root: torch.nn.Module
+    unit: int = 1
+    halo: list = field(default_factory=list)  # [(module, rows)]
+    bottom_halo: list = field(default_factory=list)  # [module]
+    gather: list = field(default_factory=list)  # [module]
+
+
+class VAEAdapter:
+    """What the runner needs to know about one VAE class (subclass per model, in ``models/``).
+
+    The frame axis is dim 2 of inputs and outputs (B, C, T, H, W). ``kind`` is "decode" or "encode".
+    """
+
+    decode_method = "_decode"  # instance method wrapped for decode (called per batch slice)
+    encode_method = "_encode"
+    default_overlap = 1
+
+    def __init__(self, vae):
+        self.vae = vae
+
+    # frame bookkeeping
+    def num_units(self, inp: torch.Tensor, kind: str) -> int:
+        """Number of latent frames the call covers (the unit chunks are made of)."""
+        raise NotImplementedError
+
+    def out_frames(self, start: int, stop: int, kind: str) -> int:
+        """Output frames of the latent-frame range [start, stop)."""
+        raise NotImplementedError
+
+    def out_shape(self, inp: torch.Tensor, kind: str) -> tuple[int, ...]:
+        """Shape of the whole call's output tensor."""
+        raise NotImplementedError
+
+    # running
+    def run_chunk(self, inner: Callable, inp: torch.Tensor, chunk: "Chunk", kind: str) -> torch.Tensor:
+        """Output frames of ``chunk`` (warm-up done and dropped) with ``inner`` = the wrapped method."""
+        raise NotImplementedError
+
+    def unwrap(self, out, kind: str) -> torch.Tensor:
+        """The tensor inside the wrapped method's return value."""
+        return out
+
+    def wrap(self, tensor: torch.Tensor, kind: str, *args, **kwargs):
+        """Build the wrapped method's return value around ``tensor``."""
+        return tensor
+
+    def spatial_layout(self, kind: str) -> SpatialLayout:
+        raise NotImplementedError
+
+
+# ------------------------------------------------------------------------------------------ planning
+@dataclass(frozen=True)
+class Chunk:
+    """Latent frames [start, stop) decoded by ``rank`` after warming the cache on [warm_start, start)."""
+
+    index: int
+    rank: int
+    start: int
+    stop: int
+    warm_start: int
+
+    @property
+    def frames(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def warmup(self) -> int:
+        return self.start - self.warm_start
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    num_frames: int
+    world_size: int
+    overlap: int
+    chunk_size: int | None
+    chunks: tuple
+
+    def for_rank(self, rank: int) -> list:
+        return [c for c in self.chunks if c.rank == rank]
+
+    def describe(self) -> str:
+        parts = [f"r{c.rank}:[{c.start},{c.stop})" + (f"+warm{c.warmup}" if c.warmup else "") for c in self.chunks]
+        return f"{self.num_frames} latent frames on {self.world_size} ranks: " + " ".join(parts)
+
+
+def _check_pos_int(name: str, value, lo: int = 1):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < lo:
+        raise ConfigError(f"{name} must be >= {lo}, got {value}")
+
+
+def plan_chunks(num_frames: int, world_size: int, *, overlap: int, chunk_size: int | None = None,
+                first_cost: float = 0.25) -> ChunkPlan:
+    """Cut ``num_frames`` latent frames into contiguous chunks over ``world_size`` ranks.
+
+    ``chunk_size=None``: at most one chunk per rank, sized so the ranks' costs balance; a rank's cost
+    counts its frames, its warm-up frames (``min(overlap, start)``) and frame 0 at ``first_cost``
+    (it yields one video frame instead of four). With a ``chunk_size``, chunks of that many frames
+    go to the ranks round-robin. Either way chunk 0 starts at frame 0 on rank 0 and ranks beyond
+    the number of chunks own none.
+    """
+    _check_pos_int("num_frames", num_frames)
+    _check_pos_int("world_size", world_size)
+    _check_pos_int("overlap", overlap)
+    if chunk_size is not None:
+        _check_pos_int("chunk_size", chunk_size)
+
+    def chunk(i, rank, s, e):
+        return Chunk(index=i, rank=rank, start=s, stop=e, warm_start=max(0, s - overlap) if s else 0)
+
+    if chunk_size is not None:
+        bounds = list(range(0, num_frames, chunk_size))
+        chunks = tuple(chunk(i, i % world_size, s, min(s + chunk_size, num_frames)) for i, s in enumerate(bounds))
+        return ChunkPlan(num_frames, world_size, overlap, chunk_size, chunks)
+
+    def cost(s, e):
+        own = (e - s) - (1 - first_cost if s == 0 else 0)
+        return own + (min(overlap, s) if s else 0)
+
+    def greedy(limit):
+        out, s = [], 0
+        while s < num_frames and len(out) < world_size:
+            e = s + 1
+            while e < num_frames and cost(s, e + 1) <= limit:
+                e += 1
+            out.append((s, e))
+            s = e
+        return out if s >= num_frames else None
+
+    lo, hi = 0.0, float(num_frames + overlap)
+    best = greedy(hi)
+    for _ in range(60):  # bisection on the largest per-rank cost
+        mid = (lo + hi) / 2
+        got = greedy(mid)
+        if got is None:
+            lo = mid
+        else:
+            hi, best = mid, got
+    chunks = tuple(chunk(i, i, s, e) for i, (s, e) in enumerate(best))
+    return ChunkPlan(num_frames, world_size, overlap, None, chunks)
+
+
+def split_rows(total: int, parts: int, unit: int = 1) -> list[int] | None:
+    """Balanced band heights (multiples of ``unit``) summing to ``total``; None when a band would be empty."""
+    if total % unit or total // unit < parts:
+        return None
+    base, extra = divmod(total // unit, parts)
+    return [(base + (1 if r < extra else 0)) * unit for r in range(parts)]
+
+
+# ------------------------------------------------------------------------------------------ collectives
+class _Collectives:
+    """The runner's collectives on one Communicator, each failure re-raised naming op, group and time."""
+
+    def __init__(self, comm: Communicator, timeout_s: float | None, group_name: str = "world"):
+        self.comm = comm
+        self.timeout_s = timeout_s
+        self.group_name = group_name
+
+    @contextlib.contextmanager
+    def _guard(self, op: str):
+        t0 = time.monotonic()
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - gloo/nccl raise RuntimeError or DistBackendError
+            raise VAECollectiveError(
+                f"parallel VAE collective {op!r} in group {self.group_name!r} (size {self.comm.size}, "
+                f"rank {self.comm.rank}) failed after {time.monotonic() - t0:.1f}s "
+                f"(timeout {self.timeout_s}s): {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def gather_equal(self, buf: torch.Tensor, to_all: bool, root: int = 0) -> torch.Tensor | None:
+        """Stack equal-size ``buf`` of every rank (P, *buf.shape) on every rank or only on ``root``."""
+        comm = self.comm
+        if comm.size == 1:
+            return buf.unsqueeze(0)
+        buf = buf.contiguous()
+        if to_all:
+            flat = buf.reshape(1, -1)
+            out = flat.new_empty((comm.size, flat.shape[1]))
+            with self._guard("vae_gather"):
+                comm.all_gather_into(out, flat, op="vae_gather")
+            return out.view((comm.size,) + tuple(buf.shape))
+        nbytes = buf.numel() * buf.element_size()
+        is_root = comm.rank == root
+        out = buf.new_empty((comm.size,) + tuple(buf.shape)) if is_root else None
+        comm._record("vae_gather_root", 0 if is_root else nbytes, nbytes * (comm.size - 1) if is_root else 0)
+        dst = dist.get_global_rank(comm.group, root) if comm.group is not None else root
+        with self._guard("vae_gather_root"):
+            dist.gather(buf, list(out.unbind(0)) if is_root else None, dst=dst, group=comm.group)
+        return out
+
+    def halo(self, tensors: Sequence[torch.Tensor], dim: int, before: int, after: int):
+        """For each tensor, the last ``before`` rows (along ``dim``) of the previous rank and the first
+        ``after`` rows of the next one (zeros at the ends of the band order). One packed all_to_all."""
+        comm = self.comm
+        P, r = comm.size, comm.rank
+        dtype = tensors[0].dtype
+        if any(t.dtype != dtype for t in tensors):
+            raise ValueError("halo exchange needs tensors of one dtype")
+        for t in tensors:
+            if t.shape[dim] < max(before, after):
+                raise ValueError(f"a band of {t.shape[dim]} rows is thinner than its halo ({before}, {after})")
+        tops = [t.narrow(dim, 0, after) for t in tensors] if after else []  # the previous rank's "next" rows
+        bots = [t.narrow(dim, t.shape[dim] - before, before) for t in tensors] if before else []
+        n_top = sum(t.numel() for t in tops)
+        n_bot = sum(t.numel() for t in bots)
+        in_splits, out_splits, send_parts = [0] * P, [0] * P, []
+        if r > 0:  # destinations in rank order: previous rank first
+            in_splits[r - 1], out_splits[r - 1] = n_top, n_bot
+            send_parts += [t.reshape(-1) for t in tops]
+        if r < P - 1:
+            in_splits[r + 1], out_splits[r + 1] = n_bot, n_top
+            send_parts += [t.reshape(-1) for t in bots]
+        ref = tensors[0]
+        send = torch.cat(send_parts) if send_parts else ref.new_empty(0)
+        recv = ref.new_empty(sum(out_splits))
+        if P > 1 and (n_top or n_bot):
+            with self._guard("vae_halo"):
+                comm.all_to_all_single(recv, send, out_splits, in_splits, op="vae_halo")
+        from_prev = recv[: out_splits[r - 1]] if r > 0 else None
+        from_next = recv[(out_splits[r - 1] if r > 0 else 0):] if r < P - 1 else None
+        result, o_prev, o_next = [], 0, 0
+        for i, t in enumerate(tensors):
+            prev = nxt = None
+            if before:
+                shape, n = bots[i].shape, bots[i].numel()
+                prev = from_prev[o_prev:o_prev + n].view(shape) if from_prev is not None else t.new_zeros(shape)
+                o_prev += n
+            if after:
+                shape, n = tops[i].shape, tops[i].numel()
+                nxt = from_next[o_next:o_next + n].view(shape) if from_next is not None else t.new_zeros(shape)
+                o_next += n
+            result.append((prev, nxt))
+        return result
+
+    def gather_rows(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        """All-gather uneven bands along ``dim`` (sizes known on every rank) into the full tensor."""
+        if self.comm.size == 1:
+            return x
+        with self._guard("vae_gather_rows"):
+            return self.comm.all_gather_uneven(x, dim, sizes=sizes)
+
+
+# ------------------------------------------------------------------------------------------ exact mode
+class _Band:
+    """The row split of the network call in progress (None between calls): rank band sizes at root level."""
+
+    def __init__(self):
+        self.sizes: list[int] | None = None
+
+    def sizes_like(self, rows_here: int, rank: int) -> list[int]:
+        factor = Fraction(rows_here, self.sizes[rank])
+        out = [s * factor for s in self.sizes]
+        if any(v.denominator != 1 for v in out):
+            raise RuntimeError(f"parallel VAE: band sizes {self.sizes} do not scale to {rows_here} rows on this rank")
+        return [int(v) for v in out]
+
+
+class _SpatialSplit:
+    """Hooks that make one network run on row bands (installed for the duration of one VAE call)."""
+
+    DIM = -2
+
+    def __init__(self, layout: SpatialLayout, coll: _Collectives):
+        self.layout = layout
+        self.coll = coll
+        self.band = _Band()
+        self.handles: list = []
+        self.root_had_forward = False
+        self.warned = False
+
+    # --- root: split the input rows, gather the output rows
+    def _root_forward(self, inner):
+        comm, band, dim = self.coll.comm, self.band, self.DIM
+
+        def forward(x, *args, **kwargs):
+            sizes = split_rows(x.shape[dim], comm.size, self.layout.unit)
+            if sizes is None:  # too few rows for every rank: every rank runs the whole call (exact)
+                if not self.warned:
+                    logger.warning("parallel VAE (exact): %d rows cannot give each of %d ranks a band of a multiple "
+                                   "of %d rows; this call runs unsplit on every rank", x.shape[dim], comm.size,
+                                   self.layout.unit)
+                    self.warned = True
+                return inner(x, *args, **kwargs)
+            start = sum(sizes[:comm.rank])
+            band.sizes = sizes
+            try:
+                out = inner(x.narrow(dim, start, sizes[comm.rank]), *args, **kwargs)
+            finally:
+                band.sizes = None
+            return self.coll.gather_rows(out, dim, band_sizes_out(sizes, out.shape[dim], comm.rank))
+
+        return forward
+
+    # --- halo convolutions
+    def _halo_pre(self, rows):
+        def pre(module, args, kwargs):
+            if self.band.sizes is None:
+                return None
+            idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+            tensors = [args[i] for i in idx] + [kwargs[k] for k in keys]
+            halos = self.coll.halo(tensors, self.DIM, rows, rows)
+            ext = [torch.cat([p, t, n], dim=self.DIM) for t, (p, n) in zip(tensors, halos)]
+            args = list(args)
+            for j, i in enumerate(idx):
+                args[i] = ext[j]
+            kwargs = dict(kwargs)
+            for j, k in enumerate(keys):
+                kwargs[k] = ext[len(idx) + j]
+            return tuple(args), kwargs
+
+        def post(module, args, output):
+            if self.band.sizes is None:
+                return None
+            return output.narrow(self.DIM, rows, output.shape[self.DIM] - 2 * rows)
+
+        return pre, post
+
+    def _bottom_pre(self, module, args):
+        if self.band.sizes is None:
+            return None
+        x = args[0]
+        (_, nxt), = self.coll.halo([x], self.DIM, 0, 1)
+        if self.coll.comm.rank == self.coll.comm.size - 1:
+            return None  # the last band keeps the model's own zero row
+        return (torch.cat([x.narrow(self.DIM, 0, x.shape[self.DIM] - 1), nxt], dim=self.DIM),) + tuple(args[1:])
+
+    # --- global modules: full input in, own band out
+    def _gather_pre(self, module, args):
+        if self.band.sizes is None:
+            return None
+        x = args[0]
+        sizes = self.band.sizes_like(x.shape[self.DIM], self.coll.comm.rank)
+        return (self.coll.gather_rows(x, self.DIM, sizes),) + tuple(args[1:])
+
+    def _gather_post(self, module, args, output):
+        if self.band.sizes is None:
+            return None
+        # the output covers every band: keep this rank's (band sizes scaled to this resolution)
+        sizes = self.band.sizes
+        factor = Fraction(output.shape[self.DIM], sum(sizes))
+        rank = self.coll.comm.rank
+        return output.narrow(self.DIM, int(sum(sizes[:rank]) * factor), int(sizes[rank] * factor))
+
+    def install(self):
+        root = self.layout.root
+        self.root_had_forward = "forward" in root.__dict__
+        self.prev_forward = root.__dict__.get("forward")
+        root.forward = self._root_forward(root.forward)
+        for mod, rows in self.layout.halo:
+            pre, post = self._halo_pre(rows)
+            self.handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            self.handles.append(mod.register_forward_hook(post))
+        for mod in self.layout.bottom_halo:
+            self.handles.append(mod.register_forward_pre_hook(self._bottom_pre))
+        for mod in self.layout.gather:
+            self.handles.append(mod.register_forward_pre_hook(self._gather_pre))
+            self.handles.append(mod.register_forward_hook(self._gather_post))
+        return self
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        root = self.layout.root
+        if self.root_had_forward:
+            root.forward = self.prev_forward
+        elif "forward" in root.__dict__:
+            del root.forward
+
+
+def band_sizes_out(sizes_in: list[int], rows_out_here: int, rank: int) -> list[int]:
+    factor = Fraction(rows_out_here, sizes_in[rank])
+    out = [s * factor for s in sizes_in]
+    if any(v.denominator != 1 for v in out):
+        raise RuntimeError(f"parallel VAE: output rows {rows_out_here} do not scale the bands {sizes_in}")
+    return [int(v) for v in out]
+
+
+# ------------------------------------------------------------------------------------------ runner
+class ParallelVAE:
+    """The parallel decode / encode of one VAE instance (what ``parallelize_vae`` installs).
+
+    Attributes: ``mode`` ("exact" | "chunked"), ``overlap``, ``chunk_size``, ``gather`` ("all" |
+    "rank0"), ``comm`` (the Communicator), ``adapter``, ``last_plan`` (the ChunkPlan of the last
+    chunked call, for inspection), ``calls`` (counts per kind).
+    """
+
+    def __init__(self, vae, adapter: VAEAdapter, comm: Communicator, *, mode: str, overlap: int | None = None,
+                 chunk_size: int | None = None, gather: str = "all", timeout_s: float | None = None):
+        if mode not in ("exact", "chunked"):
+            raise ConfigError(f"vae_parallel must be one of ['exact', 'chunked'] to install, got {mode!r}")
+        if gather not in VAE_GATHER:
+            raise ConfigError(f"vae_gather must be one of {list(VAE_GATHER)}, got {gather!r}")
+        overlap = adapter.default_overlap if overlap is None else overlap
+        _check_pos_int("vae_overlap", overlap)
+        if chunk_size is not None:
+            _check_pos_int("vae_chunk_size", chunk_size)
+        self.vae = vae
+        self.adapter = adapter
+        self.comm = comm
+        self.mode = mode
+        self.overlap = overlap
+        self.chunk_size = chunk_size
+        self.gather = gather
+        self.coll = _Collectives(comm, timeout_s)
+        self.inner: dict[str, Any] = {}
+        self.previous: dict[str, Any] = {}
+        self.last_plan: ChunkPlan | None = None
+        self.calls = {"decode": 0, "encode": 0}
+
+    def __repr__(self) -> str:
+        return (f"ParallelVAE(mode={self.mode!r}, overlap={self.overlap}, chunk_size={self.chunk_size}, "
+                f"gather={self.gather!r}, ranks={self.comm.size})")
+
+    # --- install / remove on the instance
+    def install(self):
+        for kind, name in (("decode", self.adapter.decode_method), ("encode", self.adapter.encode_method)):
+            if name in self.vae.__dict__:
+                self.previous[kind] = self.vae.__dict__[name]
+            self.inner[kind] = getattr(self.vae, name)
+            object.__setattr__(self.vae, name, self._make(kind))
+        object.__setattr__(self.vae, _STATE_ATTR, self)
+        return self
+
+    def remove(self):
+        for kind, name in (("decode", self.adapter.decode_method), ("encode", self.adapter.encode_method)):
+            if name in self.vae.__dict__:
+                object.__delattr__(self.vae, name)
+            if kind in self.previous:
+                object.__setattr__(self.vae, name, self.previous[kind])
+        if _STATE_ATTR in self.vae.__dict__:
+            object.__delattr__(self.vae, _STATE_ATTR)
+
+    def _make(self, kind):
+        def call(inp, *args, **kwargs):
+            return self.run(kind, inp, *args, **kwargs)
+
+        call.__name__ = f"parallel_{kind}"
+        return call
+
+    # --- the calls
+    def run(self, kind: str, inp: torch.Tensor, *args, **kwargs):
+        self.calls[kind] += 1
+        inner = self.inner[kind]
+        if self.comm.size == 1:
+            return inner(inp, *args, **kwargs)
+        if self.mode == "exact":
+            split = _SpatialSplit(self.adapter.spatial_layout(kind), self.coll).install()
+            try:
+                return inner(inp, *args, **kwargs)
+            finally:
+                split.remove()
+        return self._chunked(kind, inner, inp, *args, **kwargs)
+
+    def _chunked(self, kind, inner, inp, *args, **kwargs):
+        ad, comm = self.adapter, self.comm
+        n = ad.num_units(inp, kind)
+        plan = plan_chunks(n, comm.size, overlap=self.overlap, chunk_size=self.chunk_size)
+        self.last_plan = plan
+        full_shape = ad.out_shape(inp, kind)
+        frames = {c.index: ad.out_frames(c.start, c.stop, kind) for c in plan.chunks}
+        per_rank = [sum(frames[c.index] for c in plan.for_rank(r)) for r in range(comm.size)]
+        width = max(per_rank)
+        parts = []
+        for c in plan.for_rank(comm.rank):
+            out = ad.run_chunk(inner, inp, c, kind)
+            if out.shape[2] != frames[c.index]:
+                raise RuntimeError(f"parallel VAE: chunk {c} gave {out.shape[2]} frames, expected {frames[c.index]}")
+            parts.append(out)
+        buf_shape = list(full_shape)
+        buf_shape[2] = width
+        if parts:
+            local = pad_dim(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0], 2, width)
+        else:
+            local = inp.new_zeros(buf_shape)
+        if list(local.shape) != buf_shape:
+            raise RuntimeError(f"parallel VAE: local buffer {tuple(local.shape)} != expected {tuple(buf_shape)}")
+        to_all = self.gather == "all"
+        stacked = self.coll.gather_equal(local, to_all=to_all, root=0)
+        if stacked is None:  # not the root with gather="rank0": an empty (0-frame) video
+            empty = list(full_shape)
+            empty[2] = 0
+            return ad.wrap(inp.new_empty(empty), kind, *args, **kwargs)
+        offsets = [0] * comm.size
+        pieces = []
+        for c in plan.chunks:
+            f = frames[c.index]
+            pieces.append(stacked[c.rank].narrow(2, offsets[c.rank], f))
+            offsets[c.rank] += f
+        video = torch.cat(pieces, dim=2)
+        if tuple(video.shape) != tuple(full_shape):
+            raise RuntimeError(f"parallel VAE: stitched {tuple(video.shape)} != expected {tuple(full_shape)}")
+        return ad.wrap(video, kind, *args, **kwargs)
+
+
+def parallel_vae_state(vae) -> ParallelVAE | None:
+    """The ParallelVAE installed on ``vae`` (or None)."""
+    return getattr(vae, "__dict__", {}).get(_STATE_ATTR)
+
+
+def parallelize_vae(vae, comm: Communicator, *, mode: str | None = "exact", overlap: int | None = None,
+                    chunk_size: int | None = None, gather: str = "all", timeout_s: float | None = None,
+                    adapter: VAEAdapter | None = None) -> ParallelVAE | None:
+    """Install the parallel decode / encode on ``vae`` (instance patch; ``unparallelize_vae`` removes it).
+
+    mode: "exact", "chunked" or "off" (None = "exact" when ``comm.size > 1``, else "off").
+    Raises UnsupportedVAEError / ConfigError before any collective. Returns the runner or None (off).
+    """
+    if mode is None:
+        mode = "exact" if comm.size > 1 else "off"
+    if mode not in VAE_MODES:
+        raise ConfigError(f"vae_parallel must be one of {list(VAE_MODES)}, got {mode!r}")
+    adapter = adapter or vae_adapter_for(vae)
+    unparallelize_vae(vae)
+    if mode == "off":
+        return None
+    runner = ParallelVAE(vae, adapter, comm, mode=mode, overlap=overlap, chunk_size=chunk_size, gather=gather,
+                         timeout_s=timeout_s)
+    return runner.install()
+
+
+def unparallelize_vae(vae):
+    """Remove what ``parallelize_vae`` installed (no-op when nothing is). Returns ``vae``."""
+    state = parallel_vae_state(vae)
+    if state is not None:
+        state.remove()
+    return vae

@@ -1,0 +1,193 @@
+"""Per-rank bodies of the parallel-VAE tests (spawned gloo ranks, see test_parallel_vae.py).
+
+Every case compares the parallel decode / encode with the sequential one computed on the same rank
+(the stock diffusers method, no collectives). One process group serves all cases of a world size.
+Results are small dicts of numbers so the parent asserts (and prints) them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "wan_vae_small")
+
+
+def tiny_vae(seed=0):
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(seed)
+    return AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1).eval()
+
+
+def _inputs(n_lat, h, w, seed):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(1, 16, n_lat, h, w, generator=g)
+    x = torch.rand(1, 3, 1 + 4 * (n_lat - 1), 8 * h, 8 * w, generator=g) * 2 - 1
+    return z, x
+
+
+def _diff(a, b):
+    if tuple(a.shape) != tuple(b.shape):
+        return float("inf")
+    return (a - b).abs().max().item()
+
+
+def _run(vae, comm, z, x, **kw):
+    from lite_boost.parallel.vae import parallel_vae_state, parallelize_vae, unparallelize_vae
+
+    parallelize_vae(vae, comm, **kw)
+    stats = comm.enable_stats()
+    stats.reset()
+    try:
+        dec = vae.decode(z).sample
+        dec_calls = dict(stats.calls)
+        stats.reset()
+        enc = vae.encode(x).latent_dist.mean if x is not None else None
+        enc_calls = dict(stats.calls)
+        plan = parallel_vae_state(vae).last_plan
+    finally:
+        unparallelize_vae(vae)
+        comm.stats = None
+    return dec, enc, dec_calls, enc_calls, plan
+
+
+def bookkeeping_cases(mesh):
+    """Frame count and order (1, 2, 5, 21 latent frames), incl. more ranks than chunks: chunked mode
+    with an overlap covering the whole prefix must equal the sequential decode / encode bit for bit."""
+    vae = tiny_vae()
+    out = {}
+    with torch.no_grad():
+        for n in (1, 2, 5, 21):
+            z, x = _inputs(n, 2, 3, seed=n)
+            ref_d, ref_e = vae.decode(z).sample, vae.encode(x).latent_dist.mean
+            for chunk_size in (None, 1):
+                dec, enc, dc, ec, plan = _run(vae, mesh.world, z, x, mode="chunked", overlap=n, chunk_size=chunk_size)
+                out[(n, chunk_size)] = dict(
+                    dec_frames=dec.shape[2], ref_frames=ref_d.shape[2], dec_equal=torch.equal(dec, ref_d),
+                    enc_frames=enc.shape[2], enc_equal=torch.equal(enc, ref_e), chunks=len(plan.chunks),
+                    dec_calls=dc, enc_calls=ec)
+    return out
+
+
+def chunked_cases(mesh):
+    """Default-style overlap on random weights: rank 0's chunk bit-identical, frame count exact,
+    every rank gets the same video; gather='rank0' leaves the others an empty video."""
+    vae = tiny_vae()
+    out = {}
+    with torch.no_grad():
+        for n, ov in ((5, 1), (9, 2)):
+            z, x = _inputs(n, 2, 3, seed=10 + n)
+            ref_d, ref_e = vae.decode(z).sample, vae.encode(x).latent_dist.mean
+            dec, enc, dc, ec, plan = _run(vae, mesh.world, z, x, mode="chunked", overlap=ov)
+            c0 = plan.chunks[0]
+            f0 = 1 + 4 * (c0.stop - 1)
+            out[(n, ov)] = dict(
+                shape_ok=dec.shape == ref_d.shape and enc.shape == ref_e.shape,
+                chunk0_equal=torch.equal(dec[:, :, :f0], ref_d[:, :, :f0]),
+                enc_chunk0_equal=torch.equal(enc[:, :, : c0.stop], ref_e[:, :, : c0.stop]),
+                rest_diff=_diff(dec[:, :, f0:], ref_d[:, :, f0:]), dec_sum=dec.double().sum().item(),
+                chunks=[(c.rank, c.start, c.stop, c.warm_start) for c in plan.chunks], dec_calls=dc)
+        z, _ = _inputs(5, 2, 3, seed=99)
+        ref = vae.decode(z).sample
+        dec, _, dc, _, _ = _run(vae, mesh.world, z, None, mode="chunked", overlap=5, gather="rank0")
+        out["rank0"] = dict(frames=dec.shape[2], equal=torch.equal(dec, ref) if dec.shape[2] else None, calls=dc)
+    return out
+
+
+def exact_cases(mesh):
+    """Exact mode vs sequential: decode and encode, several frame counts, uneven bands, tiling."""
+    vae = tiny_vae()
+    out = {}
+    with torch.no_grad():
+        for n, h, w in ((1, 3, 4), (2, 5, 3), (5, 4, 6), (21, 3, 2)):
+            z, x = _inputs(n, h, w, seed=20 + n)
+            ref_d, ref_e = vae.decode(z).sample, vae.encode(x).latent_dist.mean
+            dec, enc, dc, ec, _ = _run(vae, mesh.world, z, x, mode="exact")
+            out[(n, h, w)] = dict(dec=_diff(dec, ref_d), enc=_diff(enc, ref_e), ref_abs=ref_d.abs().mean().item(),
+                                  halos=dc.get("vae_halo", 0), enc_halos=ec.get("vae_halo", 0))
+        # with the VAE's own spatial tiling (tiles of 32x32 pixels, stride 16: 3 x 3 tiles)
+        vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=16,
+                          tile_sample_stride_width=16)
+        z, x = _inputs(3, 6, 6, seed=31)
+        ref_d, ref_e = vae.decode(z).sample, vae.encode(x).latent_dist.mean
+        for mode, kw in (("exact", {}), ("chunked", {"overlap": 3})):
+            dec, enc, dc, ec, _ = _run(vae, mesh.world, z, x, mode=mode, **kw)
+            out[("tiled", mode)] = dict(dec=_diff(dec, ref_d), enc=_diff(enc, ref_e), halos=dc.get("vae_halo", 0))
+        vae.disable_tiling()
+    return out
+
+
+def seam_case(mesh):
+    """Trained small VAE: chunked decode at the adapter's default overlap vs the sequential decode."""
+    from diffusers import AutoencoderKLWan
+
+    from lite_boost.models.wan_vae import WAN_VAE_DEFAULT_OVERLAP
+    from lite_boost.parallel.vae import parallel_vae_state, parallelize_vae, unparallelize_vae
+
+    sys.path.insert(0, os.path.join(os.path.dirname(DATA), "..", "..", "scripts"))
+    from train_small_wan_vae import procedural_video, psnr
+
+    vae = AutoencoderKLWan.from_pretrained(DATA).eval()
+    video = procedural_video(torch.Generator().manual_seed(777), 81, 32, 32).unsqueeze(0)
+    with torch.no_grad():
+        z = vae.encode(video).latent_dist.mode()
+        ref = vae.decode(z).sample
+        parallelize_vae(vae, mesh.world, mode="chunked")
+        dec = vae.decode(z).sample
+        plan = parallel_vae_state(vae).last_plan
+        unparallelize_vae(vae)
+    seams = []
+    for c in plan.chunks[1:]:
+        a = 1 + 4 * (c.start - 1)
+        seams.append(psnr(dec[:, :, a : a + 4], ref[:, :, a : a + 4]))
+    return dict(overlap=plan.overlap, default=WAN_VAE_DEFAULT_OVERLAP, seams=seams, recon=psnr(ref, video),
+                chunk0_equal=torch.equal(dec[:, :, :1 + 4 * (plan.chunks[0].stop - 1)],
+                                         ref[:, :, :1 + 4 * (plan.chunks[0].stop - 1)]))
+
+
+def pipeline_cases(mesh, init_method):
+    """T2V and I2V tiny pipelines, stock single process vs ParallelManager (Ulysses + parallel VAE)."""
+    import copy
+
+    import lite_boost
+    from conftest import pipeline_kwargs
+    from lite_boost.demo import TinyWanSpec, tiny_wan_pipeline
+    from lite_boost.parallel import ParallelManager, unparallelize
+    from lite_boost.parallel.vae import parallel_vae_state
+
+    out = {}
+    for kind in ("t2v", "i2v"):
+        base = tiny_wan_pipeline(kind, spec=TinyWanSpec(heads=3, head_dim=24))
+        kw = dict(height=32, width=48, num_frames=9, steps=2, output_type="pt")
+        ref = lite_boost.boost(copy.deepcopy(base))(**pipeline_kwargs(kind, **kw)).frames
+        for mode, extra in (("exact", {}), ("chunked", {"vae_overlap": 3})):
+            pipe = copy.deepcopy(base)
+            enc_calls = []
+            ParallelManager(pipe, {"parallel": {"timeout_s": 120, "vae_parallel": mode, **extra}}, mesh=mesh)
+            state = parallel_vae_state(pipe.vae)
+            got = pipe(**pipeline_kwargs(kind, **kw)).frames
+            enc_calls.append(dict(state.calls))
+            unparallelize(pipe)
+            out[(kind, mode)] = dict(diff=_diff(got, ref), ref_abs=ref.abs().mean().item(), calls=enc_calls[0],
+                                     removed=parallel_vae_state(pipe.vae) is None and "_decode" not in pipe.vae.__dict__)
+    return out
+
+
+def run_cases(rank, world, init_method, names):
+    from lite_boost.parallel.groups import init_mesh
+
+    mesh = init_mesh({"timeout_s": 120}, init_method=init_method)
+    torch.manual_seed(0)
+    res = {}
+    for name in names:
+        if name == "pipelines":
+            res[name] = pipeline_cases(mesh, init_method)
+        else:
+            res[name] = globals()[f"{name}_cases" if name != "seam" else "seam_case"](mesh)
+    return res

@@ -465,6 +465,7 @@ def test_npu_build_description_and_its_absence(monkeypatch, tmp_path):
                                           str(root / "include" / "third_party" / "acl" / "inc")]
     assert f"-L{root / 'lib'}" in cfg["extra_ldflags"] and "-ltorch_npu" in cfg["extra_ldflags"]
     assert "-ltorch" not in cfg["extra_ldflags"]  # cpp_extension links torch itself
+    assert "-D__FILENAME__=__FILE__" in cfg["extra_cflags"]  # torch_npu's logging macros need it
 
 
 def test_npu_backends_report_why_they_are_off_on_this_machine():

@@ -77,7 +77,8 @@ def npu_build_config(csrc: Path):
     return {
         "sources": npu_sources(csrc),
         "extra_include_paths": [str(csrc)] + includes,
-        "extra_cflags": ["-O2"],
+        # torch_npu's log/exception macros use __FILENAME__, which its own build defines per file.
+        "extra_cflags": ["-O2", "-D__FILENAME__=__FILE__"],
         "extra_ldflags": ldflags,
     }
 

@@ -207,6 +207,8 @@ def test_rain_fusion_bad_arguments_raise_before_any_acl_call(ops, change, exc, m
     ("no_lengths", 161001, "actualSeqLengths and actualSeqLengthsKv are required"),
     ("bf16_fp16_softmax", 161002, "innerPrecise must be 0 for BFLOAT16"),
     ("unsorted", 161002, "not ascending"),
+    ("mask", 161002, "attenMask is not supported"),
+    ("kv_heads", 161002, "numKeyValueHeads 1 differs from the key's 2 heads"),
     ("int32_idx", None, None),  # the translation converts int32 indices: accepted
 ])
 def test_the_double_itself_enforces_the_contract(ops, case, status, match):
@@ -229,6 +231,10 @@ def test_the_double_itself_enforces_the_contract(ops, case, status, match):
         idx[1, 1, :2] = idx[1, 1, :2].flip(0)
     if case == "int32_idx":
         idx, num = idx.int(), num.int()
+    if case == "mask":
+        kw.update(atten_mask=torch.zeros(37, 37, dtype=torch.bool))
+    if case == "kv_heads":
+        kw.update(num_key_value_heads=1)
     if status is None:
         out, _ = ops.rain_fusion_attention_unchecked(q, k, v, idx, num, [8, 8], scale_value=0.35, **kw)
         torch.testing.assert_close(out.double(), rf_ref(q, k, v, idx, num, [8, 8], scale_value=0.35, **kw), **tol(dtype))
@@ -302,6 +308,23 @@ def test_prompt_flash_actual_seq_lengths_and_single_batch(ops):
                                **tol(torch.float16))
     ev = list(ops.events())
     assert f"{PFA_GWS} -> 0" in ev and not any(e.startswith("glue.workspace") for e in ev)
+
+
+@pytest.mark.parametrize("change,status,match", [
+    (dict(input_layout="bsnd"), 161002, "inputLayout bsnd is not modelled"),
+    (dict(num_key_value_heads=1), 161002, "numKeyValueHeads must equal the key/value N for BSND"),
+    (dict(actual_seq_lengths=[9, 2]), 161002, r"actualSeqLengths entries must be in \[0, 5\]"),
+    (dict(num_heads=0), 161002, "numHeads must be > 0"),
+])
+def test_the_double_itself_enforces_the_prompt_flash_contract(ops, change, status, match):
+    q = torch.zeros(2, 5, 4, 8, dtype=torch.float16)
+    k = torch.zeros(2, 6, 2, 8, dtype=torch.float16)
+    kw = dict(num_heads=4, num_key_value_heads=2, input_layout="BSND", pre_tokens=2147483647,
+              next_tokens=2147483647)
+    kw.update(change)
+    with pytest.raises(RuntimeError, match=rf"{PFA_GWS} returned {status} \(ACLNN_ERR_PARAM_INVALID\): {match}"):
+        ops.prompt_flash_attention_unchecked(q, k, k, **kw)
+    assert not any(e.startswith("glue.") for e in ops.events())
 
 
 @pytest.mark.parametrize("change,exc,match", [

@@ -1,7 +1,8 @@
 // CPU kernel of lite_boost::rain_fusion_attention: flash-style block-sparse attention.
 //
 // Work item = (batch, query head, query block). For each item the selected KV blocks are walked in
-// ascending order; runs of consecutive blocks are merged into one tile of up to kMaxKvTile tokens.
+// ascending order and grouped into tiles of up to kMaxKvTile tokens: one run of consecutive blocks is
+// read in place, several runs are copied into a per-thread tile buffer (a few hundred KiB at most).
 // Per tile: S = scale * Q K^T (BLAS sgemm, fp32), online softmax update of the running row max / sum
 // (vectorised with at::vec), O = O * correction + P V (sgemm, accumulate). Nothing of size S x S and no
 // gathered copy of K/V exists: fp32 inputs are read in place through their strides; fp16/bf16 tiles are
@@ -164,12 +165,16 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
       w.acc.resize(bq * dv);
       w.m.resize(bq);
       w.l.resize(bq);
-      std::vector<T> p16;
-      if (half_mode) p16.resize(bq * kv_tile);
-      if (!kF32 && !half_mode) {
-        w.q.resize(bq * d);
+      std::vector<T> p16, k_buf16, v_buf16;
+      std::vector<int64_t> seg_tok(kv_tile / bk + 1), seg_len(kv_tile / bk + 1);
+      if (half_mode) {
+        p16.resize(bq * kv_tile);
+        k_buf16.resize(kv_tile * d);
+        v_buf16.resize(kv_tile * dv);
+      } else {
         w.k.resize(kv_tile * d);
         w.v.resize(kv_tile * dv);
+        if (!kF32) w.q.resize(bq * d);
       }
       for (int64_t item = next.fetch_add(1); item < total; item = next.fetch_add(1)) {
         int64_t b = 0;
@@ -204,41 +209,59 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
         std::fill(w.m.begin(), w.m.begin() + rows, kNegInf);
         std::fill(w.l.begin(), w.l.begin() + rows, 0.f);
         bool first = true;
+        const int64_t kv_len = p.kv_lens[b];
         for (int64_t j = 0; j < n_sel;) {
-          // merge a run of consecutive blocks into one tile
-          const int64_t start = sel[j];
-          int64_t stop = start + 1;
-          ++j;
-          while (j < n_sel && sel[j] == stop && (stop + 1 - start) * bk <= kv_tile) {
-            ++stop;
+          // One tile = up to kv_tile tokens of selected blocks, as segments (runs of consecutive blocks).
+          // A single segment is read in place (fp32 / 16-bit GEMM); several are copied into the per-thread
+          // tile buffers so that each tile costs two large GEMMs and one softmax pass, not one per block.
+          int64_t nseg = 0, kn = 0;
+          while (j < n_sel) {
+            const int64_t start = sel[j];
+            if (kn > 0 && kn + std::min((start + 1) * bk, kv_len) - start * bk > kv_tile) break;
+            int64_t stop = start + 1;
             ++j;
+            while (j < n_sel && sel[j] == stop && kn + std::min((stop + 1) * bk, kv_len) - start * bk <= kv_tile) {
+              ++stop;
+              ++j;
+            }
+            seg_tok[nseg] = start * bk;
+            seg_len[nseg] = std::min(stop * bk, kv_len) - start * bk;
+            kn += seg_len[nseg++];
           }
-          const int64_t tok0 = start * bk;
-          const int64_t kn = std::min(stop * bk, p.kv_lens[b]) - tok0;
+          const bool in_place = nseg == 1 && (kF32 || half_mode);
           const float *k_tile = nullptr, *v_tile = nullptr;
-          int64_t ldk = 0, ldv = 0;
-          if constexpr (kF32) {
-            k_tile = K.at(b, kvh, tok0);
-            v_tile = V.at(b, kvh, tok0);
+          const T *k16 = nullptr, *v16 = nullptr;
+          int64_t ldk = d, ldv = dv;
+          if (in_place) {
+            k16 = K.at(b, kvh, seg_tok[0]);
+            v16 = V.at(b, kvh, seg_tok[0]);
             ldk = K.tok_stride;
             ldv = V.tok_stride;
-          } else if (!half_mode) {
-            widen(K.at(b, kvh, tok0), K.tok_stride, w.k.data(), d, kn, d);
-            widen(V.at(b, kvh, tok0), V.tok_stride, w.v.data(), dv, kn, dv);
+            if constexpr (kF32) {
+              k_tile = k16;
+              v_tile = v16;
+            }
+          } else if (half_mode) {
+            for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
+              for (int64_t r = 0; r < seg_len[sg]; ++r) {
+                std::memcpy(k_buf16.data() + (off + r) * d, K.at(b, kvh, seg_tok[sg] + r), d * sizeof(T));
+                std::memcpy(v_buf16.data() + (off + r) * dv, V.at(b, kvh, seg_tok[sg] + r), dv * sizeof(T));
+              }
+            }
+            k16 = k_buf16.data();
+            v16 = v_buf16.data();
+          } else {
+            for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
+              widen(K.at(b, kvh, seg_tok[sg]), K.tok_stride, w.k.data() + off * d, d, seg_len[sg], d);
+              widen(V.at(b, kvh, seg_tok[sg]), V.tok_stride, w.v.data() + off * dv, dv, seg_len[sg], dv);
+            }
             k_tile = w.k.data();
             v_tile = w.v.data();
-            ldk = d;
-            ldv = dv;
           }
           float* s = w.s.data();
           // S (rows x kn, row stride kn) = scale * Q K^T
-          if constexpr (!kF32) {
-            if (half_mode) {
-              half_gemm<T>(true, rows, kn, d, scale, Q.at(b, h, i * bq), Q.tok_stride, K.at(b, kvh, tok0),
-                           K.tok_stride, 0.f, s, kn);
-            } else {
-              gemm_nt(rows, kn, d, scale, q_tile, ldq, k_tile, ldk, 0.f, s, kn);
-            }
+          if (half_mode) {
+            if constexpr (!kF32) half_gemm<T>(true, rows, kn, d, scale, Q.at(b, h, i * bq), Q.tok_stride, k16, ldk, 0.f, s, kn);
           } else {
             gemm_nt(rows, kn, d, scale, q_tile, ldq, k_tile, ldk, 0.f, s, kn);
           }
@@ -271,13 +294,10 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
             }
           }
           // acc (rows x dv) (+)= P V
-          if constexpr (!kF32) {
-            if (half_mode) {
+          if (half_mode) {
+            if constexpr (!kF32) {
               from_float(s, p16.data(), rows * kn);
-              half_gemm<T>(false, rows, dv, kn, 1.f, p16.data(), kn, V.at(b, kvh, tok0), V.tok_stride,
-                           first ? 0.f : 1.f, w.acc.data(), dv);
-            } else {
-              gemm_nn(rows, dv, kn, 1.f, s, kn, v_tile, ldv, first ? 0.f : 1.f, w.acc.data(), dv);
+              half_gemm<T>(false, rows, dv, kn, 1.f, p16.data(), kn, v16, ldv, first ? 0.f : 1.f, w.acc.data(), dv);
             }
           } else {
             gemm_nn(rows, dv, kn, 1.f, s, kn, v_tile, ldv, first ? 0.f : 1.f, w.acc.data(), dv);

@@ -498,3 +498,26 @@ def test_npu_backends_report_why_they_are_off_on_this_machine():
     assert not _ext_npu.has_npu_kernel("prompt_flash_attention")
     assert A._pfa_op() is None
     assert "needs npu, got cpu" in _sparse_npu.probe("cpu")
+
+
+def test_launch_may_run_later_on_another_thread(ops):
+    """torch_npu's task queue runs phase two after the op returned: the closure must own everything it uses."""
+    import gc
+
+    gen = torch.Generator().manual_seed(41)
+    lens = [24, 9]
+    q, k, v = make_tnd(gen, lens, lens, 2, 1, 8, torch.float16)
+    idx, num = batched_selection(gen, lens, lens, 2, 8, 8, 1.0)  # every row selects blocks: no post-launch fill
+    expected = rf_ref(q, k, v, idx, num, [8, 8], actual_seq_lengths=lens)
+    ops.set_deferred(True)
+    try:
+        out, _ = ops.rain_fusion_attention(q.clone(), k.clone(), v.clone(), idx.clone(), num.clone(), [8, 8],
+                                           actual_seq_lengths=lens)
+        gc.collect()  # the caller's copies of the inputs are gone; only the launch closure holds them
+        assert "aclnnRainFusionAttention done" not in ops.events()
+        assert ops.live_handles() == 9  # arguments alive until the launch
+        assert ops.run_deferred() == 1
+    finally:
+        ops.set_deferred(False)
+        ops.run_deferred()
+    torch.testing.assert_close(out.double(), expected, **tol(torch.float16))

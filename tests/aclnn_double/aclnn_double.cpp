@@ -20,6 +20,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "npu/aclnn_api.h"
@@ -65,6 +66,8 @@ struct DoubleState {
   std::string fail_entry;  // failure injection: next call of this entry returns fail_status
   int64_t fail_status = 0;
   int stream_token = 0;  // the address is the glue's aclrtStream
+  bool deferred = false;  // launches queued (like torch_npu's task queue) until run_deferred()
+  std::vector<std::function<int()>> queue;
 };
 
 DoubleState& state() {
@@ -643,6 +646,13 @@ class RecordingGlue final : public DeviceGlue {
   }
   void launch(const char* op_name, std::function<int()> fn) override {
     log_event(std::string("glue.launch ") + op_name);
+    {
+      std::lock_guard<std::mutex> g(state().mu);
+      if (state().deferred) {
+        state().queue.push_back(std::move(fn));
+        return;
+      }
+    }
     fn();
   }
 };
@@ -690,6 +700,33 @@ int64_t live_handles() {
   return static_cast<int64_t>(state().live.size());
 }
 
+void set_deferred(bool deferred) {
+  std::lock_guard<std::mutex> g(state().mu);
+  state().deferred = deferred;
+}
+
+// Runs the queued launches on another thread, as torch_npu's task queue would; returns how many ran.
+int64_t run_deferred() {
+  std::vector<std::function<int()>> queue;
+  {
+    std::lock_guard<std::mutex> g(state().mu);
+    queue.swap(state().queue);
+  }
+  const int64_t count = static_cast<int64_t>(queue.size());
+  std::exception_ptr error;
+  std::thread worker([&] {
+    try {
+      for (auto& fn : queue) fn();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    queue.clear();  // the closures (and the acl objects they own) go here, after their launch
+  });
+  worker.join();
+  if (error) std::rethrow_exception(error);
+  return count;
+}
+
 void fail_next(c10::string_view entry, int64_t status) {
   std::lock_guard<std::mutex> g(state().mu);
   state().fail_entry = std::string(entry.data(), entry.size());
@@ -719,6 +756,8 @@ TORCH_LIBRARY(lite_boost_aclnn_double, m) {
   m.def("clear_events() -> ()", &clear_events);
   m.def("live_handles() -> int", &live_handles);
   m.def("fail_next(str entry, int status) -> ()", &fail_next);
+  m.def("set_deferred(bool deferred) -> ()", &set_deferred);
+  m.def("run_deferred() -> int", &run_deferred);
 }
 
 TORCH_LIBRARY_IMPL(lite_boost_aclnn_double, CPU, m) {

@@ -232,6 +232,17 @@ def load() -> ExtStatus:
     return ExtStatus(True, None, path, _kernels(), npu)
 
 
+def _assume_constant(fn):
+    """Library availability is fixed for the process: torch.compile evaluates it once at trace time."""
+    try:
+        import torch
+
+        return torch.compiler.assume_constant_result(fn)
+    except (ImportError, AttributeError):  # pragma: no cover - older torch
+        return fn
+
+
+@_assume_constant
 def cpu_kernel_reason(op: str) -> str | None:
     """None if ``torch.ops.lite_boost.<op>`` has a CPU kernel (building the library at first use), else why not.
 

@@ -514,3 +514,15 @@ def test_env_report_lists_the_library(lib):
     assert "### operator library (csrc: torch.ops.lite_boost)" in report
     assert "- rain_fusion_attention: kernels for CPU, Meta" in report
     assert "| cpp | usable |" in report
+
+
+def test_backend_choice_traces_without_graph_breaks(lib):
+    """Selecting the cpp backend inside a compiled region reads the library status as a constant."""
+    q = torch.randn(1, 2, 16, 8)
+
+    def f(q):
+        return q * (2.0 if rf.select_sparse_backend(q) == "cpp" else 3.0)
+
+    explained = torch._dynamo.explain(f)(q)
+    assert explained.graph_break_count == 0
+    torch.testing.assert_close(torch.compile(f, backend="eager", fullgraph=True)(q), q * 2.0)

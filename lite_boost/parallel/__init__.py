@@ -12,6 +12,7 @@ from .comm import CommStats, Communicator, head_split, shard_length
 from .groups import ParallelMesh, init_mesh
 from .plan import CfgPlan, GatherOutput, PipelinePlan, PlanError, ShardingPlan, SplitInput, SplitOutput
 from .ulysses import SequenceShardInfo, UlyssesAttention
+from .vae import ParallelVAE, UnsupportedVAEError, parallelize_vae, plan_chunks, register_vae_adapter, unparallelize_vae
 
 __all__ = [
     "CfgPlan",
@@ -25,6 +26,12 @@ __all__ = [
     "Communicator",
     "ParallelManager",
     "ParallelMesh",
+    "ParallelVAE",
+    "UnsupportedVAEError",
+    "parallelize_vae",
+    "plan_chunks",
+    "register_vae_adapter",
+    "unparallelize_vae",
     "SequenceShardInfo",
     "UlyssesAttention",
     "head_split",

@@ -1,0 +1,287 @@
+"""Parallel VAE speed and memory: 2 processes x 1 thread vs 1 process x 1 thread, plus a Wan2.1 model.
+
+    flock /tmp/lite_boost_cpu.lock python benchmarks/bench_vae.py --height 128 --width 128 --repeats 3
+
+Two gloo ranks are spawned. Each repeat, for each mode (exact, chunked at the adapter's default
+overlap) and each call (decode of 21 latent frames, encode of the 81-frame video):
+rank 0 runs the stock sequential call while rank 1 waits in a barrier (the 1 x 1 baseline), then both
+run the parallel call (the 2 x 1 run; its time is the slower rank's). Runs are interleaved and the
+medians and their ratio are reported, with the peak resident-memory growth of each rank during
+the call (sampled every 5 ms), the bytes each rank sent and the collectives issued.
+
+``--model-only`` prints the Wan2.1-VAE estimate alone: FLOPs of the real Wan2.1 VAE config at
+480x832x81 counted on the meta device, the exact mode's halo bytes from the shapes its hooks see,
+and an explicitly assumed accelerator (sustained conv throughput, link bandwidth, collective
+latency) -> modelled decode time on 1, 2, 4, 8 devices. It is a model, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+WEIGHTS = os.path.join(ROOT, "tests", "data", "wan_vae_small")
+
+
+# ------------------------------------------------------------------------------------------ memory
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def _trim() -> None:
+    """Hand freed heap pages back to the OS (glibc) so RSS growth reflects the next call's own peak."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class PeakRSS:
+    """Peak RSS growth (bytes) over a with-block, sampled by a thread (freed heap trimmed first)."""
+
+    def __enter__(self):
+        import gc
+
+        gc.collect()
+        _trim()
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _rss())
+        self.growth = self.peak - self.base
+
+
+# ------------------------------------------------------------------------------------------ rank body
+def _rank(rank, world, init_file, args, out_dir):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from diffusers import AutoencoderKLWan
+    from train_small_wan_vae import SMALL_WAN_VAE, procedural_video
+
+    from lite_boost.parallel.groups import init_mesh
+    from lite_boost.parallel.vae import parallel_vae_state, parallelize_vae, unparallelize_vae
+
+    mesh = init_mesh({"timeout_s": 1800}, init_method="file://" + init_file)
+    if os.path.exists(os.path.join(args.weights, "config.json")):
+        vae = AutoencoderKLWan.from_pretrained(args.weights).eval()
+    else:
+        torch.manual_seed(0)
+        vae = AutoencoderKLWan(**SMALL_WAN_VAE).eval()
+    frames = 1 + 4 * (args.latent_frames - 1)
+    video = procedural_video(torch.Generator().manual_seed(5), frames, args.height, args.width).unsqueeze(0)
+    with torch.no_grad():
+        z = vae._encode(video)[:, :16].contiguous() if not args.random_latents else None
+    if z is None:
+        z = torch.randn(1, 16, args.latent_frames, args.height // 8, args.width // 8)
+    calls = {"decode": lambda: vae.decode(z).sample, "encode": lambda: vae.encode(video).latent_dist.mean}
+    res = []
+    stats = mesh.world.enable_stats()
+    with torch.no_grad():
+        for rep in range(args.repeats):
+            for kind in args.kinds:
+                dist.barrier()
+                base_t = base_mem = None
+                if rank == 0:  # the 1 x 1 baseline: stock sequential call, rank 1 waits in the barrier
+                    with PeakRSS() as m:
+                        t0 = time.perf_counter()
+                        ref = calls[kind]()
+                        base_t = time.perf_counter() - t0
+                    base_mem = m.growth
+                dist.barrier()
+                for mode, overlap in args.runs:
+                    runner = parallelize_vae(vae, mesh.world, mode=mode, overlap=overlap)
+                    stats.reset()
+                    dist.barrier()
+                    with PeakRSS() as m:
+                        t0 = time.perf_counter()
+                        out = calls[kind]()
+                        par_t = time.perf_counter() - t0
+                    dist.barrier()
+                    sent = sum(stats.bytes_sent.values())
+                    ncoll = sum(stats.calls.values())
+                    unparallelize_vae(vae)
+                    diff = (out - ref).abs().max().item() if rank == 0 else None
+                    res.append(dict(rep=rep, mode=mode, kind=kind, base_t=base_t, base_mem=base_mem, par_t=par_t,
+                                    par_mem=m.growth, sent=sent, collectives=ncoll,
+                                    overlap=runner.overlap if mode == "chunked" else None, diff=diff,
+                                    shape=tuple(out.shape)))
+                    del out
+    import pickle
+
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as fh:
+        pickle.dump(res, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(args):
+    import pickle
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="lb_bench_vae_") as tmp:
+        init_file = os.path.join(tmp, "rdzv")
+        procs = [ctx.Process(target=_rank, args=(r, 2, init_file, args, tmp)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+        per_rank = []
+        for r in range(2):
+            with open(os.path.join(tmp, f"rank{r}.pkl"), "rb") as fh:
+                per_rank.append(pickle.load(fh))
+    rows = []
+    for mode, overlap in args.runs:
+        for kind in args.kinds:
+            def pick(rs):
+                return [x for x in rs if x["mode"] == mode and x["kind"] == kind
+                        and (overlap is None or x["overlap"] == overlap)]
+
+            r0, r1 = pick(per_rank[0]), pick(per_rank[1])
+            base = statistics.median(x["base_t"] for x in r0)
+            par = statistics.median(max(a["par_t"], b["par_t"]) for a, b in zip(r0, r1))
+            rows.append(dict(mode=mode, kind=kind, base=base, par=par, speedup=base / par,
+                             base_mem=max(x["base_mem"] for x in r0) / 2**20,
+                             mem0=max(x["par_mem"] for x in r0) / 2**20, mem1=max(x["par_mem"] for x in r1) / 2**20,
+                             sent=max(x["sent"] for x in r0 + r1) / 2**20, coll=r0[0]["collectives"],
+                             overlap=r0[0]["overlap"], diff=max(x["diff"] for x in r0), shape=r0[0]["shape"],
+                             runs=[(round(a["base_t"], 2), round(max(a["par_t"], b["par_t"]), 2)) for a, b in zip(r0, r1)]))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ Wan2.1 model
+def wan21_model(args):
+    """FLOPs and exact-mode halo bytes of the real Wan2.1 VAE decode at 480x832x81, on the meta device."""
+    from diffusers import AutoencoderKLWan
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lite_boost.parallel.vae import vae_adapter_for
+
+    with torch.device("meta"):
+        vae = AutoencoderKLWan().eval()  # Wan2.1 config: base_dim 96, dim_mult [1, 2, 4, 4], z_dim 16
+    ad = vae_adapter_for(vae)
+    layout = ad.spatial_layout("decode")
+    halo_elems = [0]
+
+    def pre(mod, a):
+        x = a[0]
+        rows = dict((id(m), r) for m, r in layout.halo)[id(mod)]
+        per_row = x.numel() // x.shape[-2]
+        cache = a[1] if len(a) > 1 and isinstance(a[1], torch.Tensor) else None
+        if cache is not None:
+            per_row += cache.numel() // cache.shape[-2]
+        halo_elems[0] += 2 * rows * per_row  # one boundary: rows each way
+
+    hs = [m.register_forward_pre_hook(pre) for m, _ in layout.halo]
+    h, w, n = 60, 104, 21
+    z = torch.empty(1, 16, n, h, w, device="meta")
+    fc = FlopCounterMode(display=False)
+    with torch.no_grad(), fc:
+        vae._decode(z)
+    for hh in hs:
+        hh.remove()
+    flops = fc.get_total_flops()
+    dec_frames = 1 + 4 * (n - 1)
+    video_bytes = 3 * dec_frames * h * 8 * w * 8 * 2  # bf16 output
+    # assumptions of the model (not measurements)
+    tput = args.assume_tflops * 1e12
+    bw = args.assume_gbps * 1e9
+    lat = args.assume_latency_us * 1e-6
+    n_halo_colls = len(layout.halo) * n  # one all_to_all per halo conv per frame call
+    ov = ad.default_overlap
+    lines = [f"Wan2.1 VAE decode, 480x832, 81 frames (21 latent frames), bf16: {flops / 1e12:.1f} TFLOP "
+             f"(counted on the meta device); exact-mode halo rows sent by an inner rank {halo_elems[0] * 2 / 2**20:.0f} MiB "
+             f"(bf16) in {n_halo_colls} all_to_alls; output video {video_bytes / 2**20:.0f} MiB.",
+             f"Assumed device (a model, not a measurement): {args.assume_tflops:.0f} TFLOP/s sustained on these "
+             f"convolutions, {args.assume_gbps:.0f} GB/s per link, {args.assume_latency_us:.0f} us per collective.",
+             "", "| devices | exact: modelled s (speedup) | chunked overlap %d: modelled s (speedup) |" % ov, "|---|---|---|"]
+    t1 = flops / tput
+    for P in (1, 2, 4, 8):
+        if P == 1:
+            lines.append(f"| 1 | {t1:.2f} (1.00x) | {t1:.2f} (1.00x) |")
+            continue
+        # exact: compute / P (+ 2 halo rows per band per conv ignored: < 1% at 60 latent rows / 8),
+        # each rank exchanges with 2 neighbours, one collective per conv per frame, gather of the video
+        t_ex = t1 / P + halo_elems[0] * 2 / bw + n_halo_colls * lat + video_bytes * (P - 1) / P / bw
+        plan_frames = max(c.frames + c.warmup for c in _plan(n, P, ov))
+        t_ch = t1 * plan_frames / n + video_bytes * (P - 1) / P / bw + lat
+        lines.append(f"| {P} | {t_ex:.2f} ({t1 / t_ex:.2f}x) | {t_ch:.2f} ({t1 / t_ch:.2f}x) |")
+    return "\n".join(lines)
+
+
+def _plan(n, P, ov):
+    from lite_boost.parallel.vae import plan_chunks
+
+    return plan_chunks(n, P, overlap=ov).chunks
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--height", type=int, default=128)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--latent-frames", type=int, default=21)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--modes", default="exact,chunked")
+    p.add_argument("--overlaps", default="", help="chunked overlaps to run (default: the adapter's default)")
+    p.add_argument("--kinds", default="decode,encode")
+    p.add_argument("--weights", default=WEIGHTS)
+    p.add_argument("--random-latents", action="store_true", help="decode random latents instead of encoded video")
+    p.add_argument("--model-only", action="store_true")
+    p.add_argument("--assume-tflops", type=float, default=100.0)
+    p.add_argument("--assume-gbps", type=float, default=50.0)
+    p.add_argument("--assume-latency-us", type=float, default=30.0)
+    args = p.parse_args(argv)
+    args.modes = args.modes.split(",")
+    ovs = [int(v) for v in args.overlaps.split(",") if v] or [None]
+    args.runs = [(m, o) for m in args.modes for o in (ovs if m == "chunked" else [None])]
+    args.kinds = args.kinds.split(",")
+    if not args.model_only:
+        rows = measure(args)
+        print(f"small trained Wan VAE ({os.path.relpath(args.weights, ROOT)}), fp32, {args.latent_frames} latent frames -> "
+              f"{1 + 4 * (args.latent_frames - 1)} x {args.height} x {args.width} video; 1 process x 1 thread vs "
+              f"2 processes x 1 thread (gloo); median of {args.repeats} interleaved runs\n")
+        print("| mode | call | 1x1 s | 2x1 s | speedup | max abs diff vs 1x1 | peak RSS growth MiB 1x1 / r0 / r1 "
+              "| MiB sent per rank | collectives |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            mode = r["mode"] + (f" (overlap {r['overlap']})" if r["overlap"] else "")
+            print(f"| {mode} | {r['kind']} | {r['base']:.2f} | {r['par']:.2f} | {r['speedup']:.2f}x | {r['diff']:.1e} | "
+                  f"{r['base_mem']:.0f} / {r['mem0']:.0f} / {r['mem1']:.0f} | {r['sent']:.1f} | {r['coll']} |")
+        print("\nruns (1x1 s, 2x1 s):", {f"{r['mode']}{r['overlap'] or ''}/{r['kind']}": r["runs"] for r in rows})
+    print()
+    print(wan21_model(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -5,11 +5,9 @@
 
 #include "../common.h"
 
-#include <algorithm>
 #include <cmath>
 #include <list>
 #include <memory>
-#include <sstream>
 
 #include <ATen/ATen.h>
 

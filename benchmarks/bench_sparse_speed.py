@@ -4,12 +4,14 @@
     python benchmarks/bench_sparse_speed.py --quick    # S = 8192, 1 head, 2 repetitions
 
 B = 1, D = 128, block 128, window (2, 8, 8), keep_sink=False (the computed fraction equals the
-budget), two threads. Baseline: PyTorch ``scaled_dot_product_attention`` in the same process.
+budget), two threads. Masks come from selector="reference" (RainFusion 2.0's mean-pooled block
+scores, cheap); one extra cpp row at 0.8 uses the library's default selector ("subblock", estimated
+attention mass), whose scoring costs more. Baseline: PyTorch ``scaled_dot_product_attention`` in the same process.
 Each repetition runs dense SDPA, then every (sparsity, backend) configuration once (interleaved);
 medians are reported. Backends: "cpp" (the C++ kernel, torch.ops.lite_boost) at every sparsity
 including 0 (every block selected: sparse_attention would run dense SDPA there, so that row times
 ``rain_fusion_attention`` with a full selection); "flex" (compiled FlexAttention) and "gather" (pure PyTorch)
-at 0.5 / 0.8 / 0.9, or only at 0.8 for the 12-head shapes, which are expensive. Repetitions:
+at 0.5 / 0.8 / 0.9; the 12-head shapes, which are expensive, run sparsity 0 (cpp) and 0.8 only. Repetitions:
 ``--reps`` (default 5) for the 1-head shapes, ``--reps-big`` (default 3; 2 at 12 x 32,760) for
 12 heads. Results are written after every shape (benchmarks/results/sparse_speed.{md,json}) and
 plotted (sparse_speed.png). Run under ``flock /tmp/lite_boost_cpu.lock`` on a shared machine.
@@ -31,17 +33,20 @@ from lite_boost.ops.sparse import SparseStats, sparse_attention
 
 WINDOW = (2, 8, 8)
 BLOCK = 128
-HEADERS = ["S", "heads", "dtype", "sparsity", "backend", "effective sparsity", "dense SDPA s", "sparse call s",
-           "speed-up", "ideal", "% of ideal", "kernel only s", "kernel speed-up", "kernel % of ideal", "runs"]
+HEADERS = ["S", "heads", "dtype", "sparsity", "backend", "selector", "effective sparsity", "dense SDPA s", "sparse call s",
+           "speed-up", "ideal", "% of ideal", "kernel only s", "kernel speed-up", "kernel % of ideal", "kernel % of ideal at effective sparsity", "runs"]
 
 
 def configs(heads, backends, sparsities):
-    out = [(0.0, "cpp")] if "cpp" in backends else []
+    """(sparsity, backend, selector) triples."""
+    out = [(0.0, "cpp", "-")] if "cpp" in backends else []
     for sp in sparsities:
+        if heads > 1 and sp != 0.8:
+            continue  # 12 heads (expensive): the target sparsity only
         for b in backends:
-            if b != "cpp" and heads > 1 and sp != 0.8:
-                continue  # flex / gather on 12 heads: the target sparsity only
-            out.append((sp, b))
+            out.append((sp, b, "reference"))
+            if b == "cpp" and sp == 0.8:
+                out.append((sp, b, "subblock"))  # the library's default selector, for its cost
     return out
 
 
@@ -55,13 +60,14 @@ def run_shape(s, heads, dtype, backends, sparsities, reps, d=128):
     full_idx = torch.arange(nb).expand(nb, heads, nb).contiguous()
     full_num = torch.full((nb, heads), nb)
 
-    def call(sp, backend):
+    def call(sp, backend, selector):
         if sp == 0.0:  # sparse_attention runs dense SDPA when every block is kept: time the kernel itself
             out, _ = rain_fusion_attention(q, k, v, full_idx, full_num, [BLOCK, BLOCK], q_input_layout="BNSD",
                                            kv_input_layout="BNSD", backend=backend)
             return out, SparseStats("sparse", "every block selected", backend, 0.0, 0.0)
         return sparse_attention(q, k, v, head_num=heads, sparse_type="rf_v2", block_size=BLOCK, latent_shape_q=grid,
-                                sparsity=sp, window=WINDOW, keep_sink=False, backend=backend, return_stats=True)
+                                sparsity=sp, window=WINDOW, keep_sink=False, backend=backend, selector=selector,
+                                return_stats=True)
 
     stats, prepared = {}, {}
     order = token_order(grid, WINDOW, 0).perm
@@ -88,26 +94,28 @@ def run_shape(s, heads, dtype, backends, sparsities, reps, d=128):
             stats[cfg] = st
             if cfg[0] == 0.0:
                 kern_t[cfg].append(t)
-            elif heads == 1 or cfg[1] == "cpp":
+            elif (heads == 1 or cfg[1] == "cpp") and cfg[2] == "reference":
                 kern_t[cfg].append(timed(lambda: kernel(cfg))[0])
     dm = median(dense_t)
     rows, data = [], []
     for cfg in cfgs:
-        sp, backend = cfg
+        sp, backend, selector = cfg
         st = stats[cfg]
         assert st.backend == backend, (st.backend, backend)
         fm = median(sparse_t[cfg])
         km = median(kern_t[cfg]) if kern_t[cfg] else float("nan")
         ideal = 1.0 / (1.0 - sp)
         rec = dict(S=s, heads=heads, grid=grid, dtype=str(dtype).replace("torch.", ""), sparsity=sp, backend=backend,
+                   selector=selector,
                    effective_sparsity=round(st.effective_sparsity, 4), dense_s=dm, sparse_s=fm, speedup=dm / fm,
                    ideal=ideal, frac_ideal=dm / fm / ideal, kernel_s=km, kernel_speedup=dm / km,
                    kernel_frac_ideal=dm / km / ideal, reps=reps, dense_all=dense_t, sparse_all=sparse_t[cfg],
                    kernel_all=kern_t[cfg])
         data.append(rec)
-        rows.append([s, heads, rec["dtype"], sp, backend, f"{st.effective_sparsity:.3f}", f"{dm:.3f}", f"{fm:.3f}",
+        rows.append([s, heads, rec["dtype"], sp, backend, selector, f"{st.effective_sparsity:.3f}", f"{dm:.3f}", f"{fm:.3f}",
                      f"{dm / fm:.2f}x", f"{ideal:.2f}x", f"{100 * dm / fm / ideal:.0f}%", f"{km:.3f}",
-                     f"{dm / km:.2f}x", f"{100 * dm / km / ideal:.0f}%", reps])
+                     f"{dm / km:.2f}x", f"{100 * dm / km / ideal:.0f}%",
+                     f"{100 * dm / km * (1.0 - st.effective_sparsity):.0f}%", reps])
         print(rows[-1], flush=True)
     return rows, data
 
@@ -128,7 +136,8 @@ def plot(data, path):
             for s in sorted({r["S"] for r in data}):
                 for h in sorted({r["heads"] for r in data}):
                     pts = sorted((r for r in data if r["dtype"] == dtype and r["S"] == s and r["heads"] == h
-                                  and r["backend"] == backend), key=lambda r: r["sparsity"])
+                                  and r["backend"] == backend and r["selector"] != "subblock"),
+                                 key=lambda r: r["sparsity"])
                     if pts:
                         ax.plot([r["sparsity"] for r in pts], [r["speedup"] for r in pts], style[backend],
                                 ms=4, label=f"{backend} S={s} x{h}h")

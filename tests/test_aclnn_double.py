@@ -496,8 +496,12 @@ def test_npu_backends_report_why_they_are_off_on_this_machine():
 
     assert not _ext_npu.has_npu_kernel("rain_fusion_attention")
     assert not _ext_npu.has_npu_kernel("prompt_flash_attention")
-    assert A._pfa_op() is None
+    assert A._pfa_op() is None and _sparse_npu._op() is None
     assert "needs npu, got cpu" in _sparse_npu.probe("cpu")
+    why = _ext_npu.npu_kernel_reason("rain_fusion_attention")
+    assert why.startswith(("its Ascend kernel is not built (not built: CANN not found",
+                           "the lite_boost operator library is not built"))
+    assert _sparse_npu._not_built_reason().endswith(why)
 
 
 def test_launch_may_run_later_on_another_thread(ops):

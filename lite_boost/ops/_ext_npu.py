@@ -27,7 +27,7 @@ import importlib
 import os
 from pathlib import Path
 
-__all__ = ["NPU_SOURCES", "npu_sources", "npu_build_config", "has_npu_kernel"]
+__all__ = ["NPU_SOURCES", "npu_sources", "npu_build_config", "has_npu_kernel", "npu_kernel_reason"]
 
 NPU_SOURCES = ("npu/npu_kernels.cpp", "npu/aclnn_translate.cpp", "npu/opapi_loader.cpp", "common.cpp")
 
@@ -91,3 +91,26 @@ def has_npu_kernel(op: str) -> bool:
         return bool(torch._C._dispatch_has_kernel_for_dispatch_key(f"lite_boost::{op}", "PrivateUse1"))
     except RuntimeError:  # the operator itself is not registered
         return False
+
+
+def _assume_constant(fn):
+    """Kernel availability is fixed for the process: torch.compile evaluates it once at trace time."""
+    try:
+        import torch
+
+        return torch.compiler.assume_constant_result(fn)
+    except (ImportError, AttributeError):  # pragma: no cover - older torch
+        return fn
+
+
+@_assume_constant
+def npu_kernel_reason(op: str) -> str | None:
+    """None if ``torch.ops.lite_boost.<op>`` has its Ascend kernel (loading the library at first use), else why not."""
+    from . import _ext
+
+    st = _ext.status()
+    if not st.loaded:
+        return f"the lite_boost operator library is not built ({st.reason})"
+    if not has_npu_kernel(op):
+        return f"its Ascend kernel is not built ({st.npu})"
+    return None

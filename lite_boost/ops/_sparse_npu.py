@@ -105,19 +105,18 @@ def aclnn_arguments(query, key, value, select_idx, select_num_idx, block_shape, 
 
 def _op():
     """``torch.ops.lite_boost.rain_fusion_attention`` when its Ascend kernel (csrc/npu) is built, else None."""
-    from . import _ext, _ext_npu
+    from . import _ext_npu
 
-    if not _ext.status().loaded or not _ext_npu.has_npu_kernel("rain_fusion_attention"):
+    if _ext_npu.npu_kernel_reason("rain_fusion_attention") is not None:
         return None
     return torch.ops.lite_boost.rain_fusion_attention
 
 
 def _not_built_reason() -> str:
-    from . import _ext
+    from . import _ext_npu
 
-    st = _ext.status()
-    why = st.reason if not st.loaded else st.npu
-    return f"the lite_boost csrc NPU op (torch.ops.lite_boost.rain_fusion_attention) is unavailable ({why})"
+    why = _ext_npu.npu_kernel_reason("rain_fusion_attention")
+    return f"the lite_boost csrc NPU op (torch.ops.lite_boost.rain_fusion_attention) is unavailable: {why}"
 
 
 def probe(device_type: str) -> str | None:

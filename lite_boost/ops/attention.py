@@ -135,9 +135,9 @@ def _fa2_impl(q, k, v, scale):
 
 def _pfa_op():
     """``torch.ops.lite_boost.prompt_flash_attention`` when its Ascend kernel (csrc/npu) is built, else None."""
-    from . import _ext, _ext_npu
+    from . import _ext_npu
 
-    if not _ext.status().loaded or not _ext_npu.has_npu_kernel("prompt_flash_attention"):
+    if _ext_npu.npu_kernel_reason("prompt_flash_attention") is not None:
         return None
     return torch.ops.lite_boost.prompt_flash_attention
 

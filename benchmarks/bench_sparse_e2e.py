@@ -4,13 +4,14 @@
     python benchmarks/bench_sparse_e2e.py --quick   # 240x416, 9 frames, 3 steps
 
 The transformer is tiny (2 layers, 1 head of 128 channels, small FFN) so self-attention dominates
-the denoising loop, as in the real model at 480p. Compared: stock diffusers; boosted with
-``SparseConfig(sparsity=0.8)`` (library defaults: reference 8x8 token order, no dense steps); and
-boosted with a schedule (window (1, 8, 16), dense for the first third of the steps). Timed: the
-denoising loop (``output_type="latent"``: text encoder + transformer, what sparse attention
-changes), medians of interleaved runs after a warm-up; the VAE decode is timed once separately.
-PSNR: decoded video of each variant vs stock (random weights make it a consistency measure, not a
-visual-quality one). Writes benchmarks/results/sparse_e2e.{md,json}.
+the denoising loop, as in the real model at 480p. Compared: stock diffusers, and boosted with
+``SparseConfig(sparsity=s)`` for each ``--sparsities`` value and each ``--selectors`` value
+(library defaults otherwise: reference 8x8 token order, forced blocks on top of the top-k, no dense
+steps). Timed: the denoising loop (``output_type="latent"``: text encoder + transformer, what
+sparse attention changes), medians of interleaved runs after a warm-up; the VAE decode is timed
+once separately. PSNR: decoded video of each variant vs stock (random weights make it a
+consistency measure, not a visual-quality one). Writes benchmarks/results/sparse_e2e.{md,json,png}
+(PSNR vs speed-up, one line per selector).
 """
 
 import argparse
@@ -47,19 +48,18 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sparsities", default="0.5,0.6,0.7,0.8,0.9")
+    ap.add_argument("--selectors", default="subblock,reference")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     h, w, frames, steps = (240, 416, 9, 3) if args.quick else (480, 832, 41, 6)
     pipe = tiny_wan_pipeline(spec=TinyWanSpec(heads=1, head_dim=128, layers=2, ffn_dim=64))
     call = dict(prompt="a red fox runs through fresh snow", negative_prompt="blurry", height=h, width=w,
                 num_frames=frames, guidance_scale=5.0, output_type="latent")
-    dense_first = max(1, round(steps / 3))
-    variants = {
-        "stock": None,
-        "sparse 0.8, defaults": SparseConfig(sparsity=0.8),
-        f"sparse 0.8, window (1,8,16), dense first {dense_first}/{steps} steps":
-            SparseConfig(sparsity=0.8, window=(1, 8, 16), dense_steps_first=dense_first),
-    }
+    variants = {"stock": None}
+    for sel in args.selectors.split(","):
+        for sp in (float(x) for x in args.sparsities.split(",")):
+            variants[f"{sel} {sp}"] = SparseConfig(sparsity=sp, selector=sel)
 
     def use(cfg):
         if cfg is None:
@@ -67,11 +67,11 @@ def main():
         else:
             lite_boost.boost(pipe, BoostConfig(sparse=cfg))
 
-    for cfg in variants.values():  # warm-up: FlexAttention compiles for this shape
+    for cfg in list(variants.values())[:2]:  # warm-up (a compiled kernel compiles for this shape)
         use(cfg)
-        pipe(**call, num_inference_steps=dense_first + 1, generator=torch.Generator().manual_seed(0))
+        pipe(**call, num_inference_steps=1, generator=torch.Generator().manual_seed(0))
     times = {k: [] for k in variants}
-    lat, eff = {}, {}
+    lat, eff, backends = {}, {}, {}
     for _ in range(args.reps):
         for name, cfg in variants.items():
             use(cfg)
@@ -80,7 +80,9 @@ def main():
             times[name].append(t)
             lat[name] = out
             if cfg is not None:
-                eff[name] = pipe.transformer._lite_boost.extras["sparse"].mean_effective_sparsity()
+                state = pipe.transformer._lite_boost.extras["sparse"]
+                eff[name] = state.mean_effective_sparsity()
+                backends[name] = sorted({e.backend for e in state.events if e.backend})
             print(name, f"{t:.2f}s", flush=True)
     lite_boost.unboost(pipe)
     decode_s, ref_video = timed(lambda: decode(pipe, lat["stock"]))
@@ -93,14 +95,50 @@ def main():
         rows.append([name, f"{m:.2f}", f"{base / m:.2f}x", "inf" if math.isinf(p) else f"{p:.1f}",
                      f"{eff.get(name, 0.0):.3f}"])
         data.append(dict(variant=name, seconds=times[name], median=m, speedup=base / m, psnr=p,
-                         effective_sparsity=eff.get(name, 0.0)))
+                         effective_sparsity=eff.get(name, 0.0), backends=backends.get(name, [])))
+    used = sorted({b for bs in backends.values() for b in bs})
     text = (f"### End to end: tiny Wan T2V pipeline, stock vs sparse self-attention\n\n{environment()}; "
             f"{h}x{w}, {frames} frames (token grid {grid}, {math.prod(grid)} tokens), {steps} steps with CFG, "
             f"transformer 2 layers x 1 head x 128; denoising loop timed (output_type='latent'), medians of "
-            f"{args.reps} interleaved runs after a warm-up; VAE decode (not affected) {decode_s:.1f} s once.\n\n"
+            f"{args.reps} interleaved runs after a warm-up; VAE decode (not affected) {decode_s:.1f} s once; "
+            f"block-sparse kernel: {', '.join(used) or 'none'}.\n\n"
             + markdown_table(["variant", "denoising s", "speed-up", "video PSNR vs stock (dB)",
                               "mean effective sparsity"], rows))
-    write("sparse_e2e_quick" if args.quick else "sparse_e2e", text, data)
+    stem = "sparse_e2e_quick" if args.quick else "sparse_e2e"
+    write(stem, text, data)
+    plot(data, stem, used)
+
+
+def plot(data, stem, used):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # the bench extra is optional
+        print("matplotlib not installed: no plot")
+        return
+    from bench_sparse_common import RESULTS
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    groups = {}
+    for d in data:
+        if d["variant"] == "stock":
+            continue
+        sel, sp = d["variant"].rsplit(" ", 1)
+        groups.setdefault(sel, []).append((d["speedup"], d["psnr"], sp))
+    for sel, pts in groups.items():
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"selector={sel!r}")
+        for x, y, sp in pts:
+            ax.annotate(sp, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("denoising speed-up vs stock")
+    ax.set_ylabel("video PSNR vs stock (dB)")
+    ax.set_title(f"tiny Wan T2V, 17k tokens, 6 steps + CFG ({', '.join(used)} kernel)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"{stem}.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ def sub_block_stats(x: torch.Tensor, block: int, reps: int, variance: bool = Fal
 
 
 def block_scores(q: torch.Tensor, k: torch.Tensor, block: int, scale: float, selector: str = "reference",
-                 q_reps: int = 8, k_reps: int = 16, variance: bool = True, max_elems: int = 1 << 24):
+                 q_reps: int = 16, k_reps: int = 8, variance: bool = True, max_elems: int = 1 << 24):
     """Score every (query block, key block) pair of reordered q (B, N1, Sq, D) and k (B, N2, Skv, D).
 
     Returns (score, probs), both fp32 (B, N1, nqb, nkb): ``score`` ranks the key blocks of a row

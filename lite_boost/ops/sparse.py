@@ -48,7 +48,7 @@ SPARSE_TYPES = (None, "rf_v2")
 INPUT_LAYOUTS = ("BNSD", "BSND", "BSH")
 _EXTRAS = ("window", "min_seq_len", "selection", "return_stats", "backend", "head_chunk", "budget", "selector",
            "selector_reps")
-DEFAULT_SELECTOR_REPS = (8, 16)  # "subblock": representatives per query block, per key block
+DEFAULT_SELECTOR_REPS = (16, 8)  # "subblock": representatives per query block, per key block
 _MEMORY_FRACTION = 0.125  # reordered copies (q, k, v, out) per head group, relative to the inputs
 
 
@@ -216,7 +216,7 @@ def sparse_attention(q, k, v, attn_mask=None, scale=None, is_causal=False, head_
             blocks count toward it); ``selector`` ("subblock" = estimated attention mass,
             default; "reference" = RainFusion 2.0 mean-pooled scores); ``selector_reps``
             ((q_reps, k_reps) representatives per query / key block for "subblock", each in
-            [1, block_size], default (8, 16) capped at block_size).
+            [1, block_size], default (16, 8) capped at block_size).
 
     Returns:
         The attention output in the input layout and dtype, or ``(out, SparseStats)`` with

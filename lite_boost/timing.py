@@ -92,24 +92,38 @@ class PhaseTimer:
         self._patched.clear()
 
 
-def format_timing_table(rows: dict[str, PhaseTimes]) -> str:
-    """Markdown table: one column per run (e.g. "stock", "boosted"), plus speed-up vs the first."""
+PHASES = ("text encode", "denoise", "VAE decode")
+
+
+def format_timing_table(rows: dict[str, PhaseTimes], untouched: tuple[str, ...] = ()) -> str:
+    """Markdown table: one column per run (e.g. "stock", "boosted"), plus speed-up vs the first.
+
+    ``untouched``: phases (from ``PHASES``) the boost does not change; they are labelled "not boosted"
+    and get no speed-up figure (any difference there is run-to-run noise, not an effect).
+    """
+    bad = [p for p in untouched if p not in PHASES]
+    if bad:
+        raise ValueError(f"untouched must name phases from {list(PHASES)}, got {bad}")
     names = list(rows)
     base = rows[names[0]]
     lines = ["| phase | " + " | ".join(names) + (" | speed-up |" if len(names) > 1 else " |"),
              "|---|" + "---:|" * len(names) + ("---:|" if len(names) > 1 else "")]
 
-    def line(label, get):
+    def line(label, get, phase=None):
         vals = [get(rows[n]) for n in names]
         cells = " | ".join(f"{v:.3f} s" for v in vals)
         speed = ""
+        if phase in untouched:
+            label = f"{label} (not boosted)"
+            speed = " | - |" if len(names) > 1 else ""
+            return f"| {label} | {cells}{speed}" + ("" if len(names) > 1 else " |")
         if len(names) > 1:
             speed = f" | {get(base) / vals[-1]:.2f}x" if vals[-1] > 0 else " | -"
         return f"| {label} | {cells}{speed} |"
 
-    lines.append(line("text encode", lambda t: t.text_encode_s))
-    lines.append(line(f"denoise per step (median of {len(base.step_s)})", lambda t: t.step_median_s))
-    lines.append(line("denoise total", lambda t: t.denoise_s))
-    lines.append(line("VAE decode", lambda t: t.vae_decode_s))
+    lines.append(line("text encode", lambda t: t.text_encode_s, "text encode"))
+    lines.append(line(f"denoise per step (median of {len(base.step_s)})", lambda t: t.step_median_s, "denoise"))
+    lines.append(line("denoise total", lambda t: t.denoise_s, "denoise"))
+    lines.append(line("VAE decode", lambda t: t.vae_decode_s, "VAE decode"))
     lines.append(line("total", lambda t: t.total_s))
     return "\n".join(lines)

@@ -7,6 +7,7 @@ reference is not the trivial "nothing was cached".
 """
 
 import functools
+import os
 
 import pytest
 import torch
@@ -238,3 +239,36 @@ def test_parallel_manager_rejects_shared_state_cache_with_cfg_parallel_before_an
     with pytest.raises(ConfigError, match=r"pyramid_attention_broadcast.*cfg_degree=2 use one of \['first_block_cache'"):
         ParallelManager(_pipe(), {"parallel": {"cfg_degree": 2}, "cache": "pyramid_attention_broadcast"})
     assert not dist.is_initialized()
+
+
+def test_compiled_boosted_transformer_with_a_cache_matches_eager():
+    """torch.compile of a boosted transformer whose cache hooks are on: same decisions, same output."""
+    torch._dynamo.reset()
+    spec = "first_block_cache:threshold=0.14"
+    eager = lite_boost.boost(_pipe(), {"cache": spec})
+    h, w, f = HWF
+    call = lambda: pipeline_kwargs("t2v", height=h, width=w, num_frames=f, steps=3)  # noqa: E731
+    ref = eager(**call()).frames
+    pipe = lite_boost.boost(_pipe(), {"cache": spec})
+    # in place, as diffusers documents for its pipelines; aot_eager = dynamo + AOT tracing without
+    # inductor's code generation (minutes on 2 cores); the inductor backend gives the same result
+    pipe.transformer.compile(backend=os.environ.get("LITE_BOOST_TEST_COMPILE_BACKEND", "aot_eager"))
+    got = pipe(**call()).frames
+    log = lambda p: [(d.context, d.call, d.compute) for d in p.transformer._lite_boost.extras["cache"].decisions]  # noqa: E731
+    assert log(pipe) == log(eager) and False in [c for _, _, c in log(eager)]
+    assert (got - ref).abs().max().item() <= 1e-4
+    assert (pipe(**call()).frames - ref).abs().max().item() <= 1e-4  # second call: fresh state, no recompile error
+
+
+def test_cli_generate_with_cache_prints_what_was_applied(tmp_path, capsys):
+    from lite_boost.cli import main
+
+    rc = main(["generate", "--height", "32", "--width", "48", "--num-frames", "5", "--steps", "4", "--warmup", "0",
+               "--cache", "first_block_cache:threshold=0.14", "--output", str(tmp_path / "v.mp4")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "| text encode (not boosted) |" in out and "| VAE decode (not boosted) |" in out
+    assert "applied:" in out and "- step cache: first_block_cache(threshold=0.14): " in out
+    assert "- attention backend: sdpa" in out and "- parallel: one process" in out
+    with pytest.raises(SystemExit, match=r"--cache: unknown parameter\(s\) \['thresh'\]"):
+        main(["generate", "--cache", "first_block_cache:thresh=1"])

@@ -145,3 +145,37 @@ def test_ulysses_two_ranks_with_compiled_blocks_matches_single_process():
             # the exchanges ran inside the compiled blocks (eager ones are counted); the final gather is eager
             assert "qkv_to_heads" not in res["eager_collectives"] and "gather" in res["eager_collectives"], res
         assert {p for _, _, p in per_kind["sparse"]["events"]} == {"sparse"}, per_kind["sparse"]["events"]
+
+
+def test_step_cache_composes_with_compiled_blocks():
+    """First-Block Cache (diffusers' hooks, issue 10) + sparse attention + compiled blocks = eager output.
+
+    diffusers' cache hooks break the graph themselves (their decisions are ``torch.compiler.disable``d),
+    with or without lite_boost, so the blocks are compiled without fullgraph here and lite_boost must
+    add no graph beyond what stock diffusers with the same cache compiles.
+    """
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    from lite_boost.config import CacheConfig
+
+    kw = dict(height=64, width=128, num_frames=5, steps=6)
+    config = BoostConfig(sparse=SPARSE, cache=CacheConfig(method="first_block_cache", params={"threshold": 0.3}))
+    outs, graphs, decisions = {}, {}, {}
+    for variant in ("eager", "compiled", "stock"):
+        torch._dynamo.reset()
+        pipe = tiny_wan_pipeline("t2v", spec=TinyWanSpec(heads=3))
+        if variant == "stock":
+            pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.3))
+        else:
+            lite_boost.boost(pipe, config)
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        if variant != "eager":
+            pipe.transformer.compile_repeated_blocks(backend=counter)
+        with torch.no_grad():
+            outs[variant] = pipe(**pipeline_kwargs("t2v", **kw)).frames
+        graphs[variant] = counter.frame_count
+        if variant != "stock":
+            decisions[variant] = [d.compute for d in pipe.transformer._lite_boost.extras["cache"].decisions]
+    assert (outs["compiled"] - outs["eager"]).abs().max().item() <= TOL
+    assert decisions["compiled"] == decisions["eager"] and not all(decisions["eager"]), decisions
+    assert graphs["compiled"] == graphs["stock"], graphs

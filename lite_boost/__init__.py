@@ -6,13 +6,14 @@
     pipe = ParallelManager(pipe)                      # under torchrun: sequence / CFG parallel
 """
 
-from .config import BoostConfig, ConfigError, ParallelConfig, SparseConfig
+from .config import BoostConfig, CacheConfig, ConfigError, ParallelConfig, SparseConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
     "BoostConfig",
+    "CacheConfig",
     "ConfigError",
     "ParallelConfig",
     "SparseConfig",

@@ -12,14 +12,15 @@ medians are reported. Backends: "cpp" (the C++ kernel, torch.ops.lite_boost) at 
 including 0 (every block selected: sparse_attention would run dense SDPA there, so that row times
 ``rain_fusion_attention`` with a full selection); "flex" (compiled FlexAttention) and "gather" (pure PyTorch)
 at 0.5 / 0.8 / 0.9; the 12-head shapes, which are expensive, run sparsity 0 (cpp) and 0.8 only. Repetitions:
-``--reps`` (default 5) for the 1-head shapes, ``--reps-big`` (default 3; 2 at 12 x 32,760) for
-12 heads. Results are written after every shape (benchmarks/results/sparse_speed.{md,json}) and
+``--reps`` (default 5; at most 3 at S = 32,760) for the 1-head shapes, ``--reps-big``
+(default 2) for 12 heads. Results are written after every shape (benchmarks/results/sparse_speed.{md,json}) and
 plotted (sparse_speed.png). Run under ``flock /tmp/lite_boost_cpu.lock`` on a shared machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 import torch.nn.functional as F
@@ -37,13 +38,15 @@ HEADERS = ["S", "heads", "dtype", "sparsity", "backend", "selector", "effective 
            "speed-up", "ideal", "% of ideal", "kernel only s", "kernel speed-up", "kernel % of ideal", "kernel % of ideal at effective sparsity", "runs"]
 
 
-def configs(heads, backends, sparsities):
-    """(sparsity, backend, selector) triples."""
+def configs(heads, backends, sparsities, big=False):
+    """(sparsity, backend, selector) triples; ``big`` shapes: flex / gather at 0.8 only, 12 heads 0 and 0.8 only."""
     out = [(0.0, "cpp", "-")] if "cpp" in backends else []
     for sp in sparsities:
         if heads > 1 and sp != 0.8:
             continue  # 12 heads (expensive): the target sparsity only
         for b in backends:
+            if big and b != "cpp" and sp != 0.8:
+                continue
             out.append((sp, b, "reference"))
             if b == "cpp" and sp == 0.8:
                 out.append((sp, b, "subblock"))  # the library's default selector, for its cost
@@ -54,7 +57,7 @@ def run_shape(s, heads, dtype, backends, sparsities, reps, d=128):
     grid = GRIDS[s]
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, heads, s, d, generator=gen).to(dtype) for _ in range(3))
-    cfgs = configs(heads, backends, sparsities)
+    cfgs = configs(heads, backends, sparsities, big=s * heads > 16384)
 
     nb = -(-s // BLOCK)
     full_idx = torch.arange(nb).expand(nb, heads, nb).contiguous()
@@ -112,12 +115,16 @@ def run_shape(s, heads, dtype, backends, sparsities, reps, d=128):
                    kernel_frac_ideal=dm / km / ideal, reps=reps, dense_all=dense_t, sparse_all=sparse_t[cfg],
                    kernel_all=kern_t[cfg])
         data.append(rec)
-        rows.append([s, heads, rec["dtype"], sp, backend, selector, f"{st.effective_sparsity:.3f}", f"{dm:.3f}", f"{fm:.3f}",
-                     f"{dm / fm:.2f}x", f"{ideal:.2f}x", f"{100 * dm / fm / ideal:.0f}%", f"{km:.3f}",
-                     f"{dm / km:.2f}x", f"{100 * dm / km / ideal:.0f}%",
-                     f"{100 * dm / km * (1.0 - st.effective_sparsity):.0f}%", reps])
+        rows.append(row_of(rec))
         print(rows[-1], flush=True)
     return rows, data
+
+
+def row_of(r):
+    dm, fm, km, ideal, eff = r["dense_s"], r["sparse_s"], r["kernel_s"], r["ideal"], r["effective_sparsity"]
+    return [r["S"], r["heads"], r["dtype"], r["sparsity"], r["backend"], r["selector"], f"{eff:.3f}", f"{dm:.3f}",
+            f"{fm:.3f}", f"{dm / fm:.2f}x", f"{ideal:.2f}x", f"{100 * dm / fm / ideal:.0f}%", f"{km:.3f}",
+            f"{dm / km:.2f}x", f"{100 * dm / km / ideal:.0f}%", f"{100 * dm / km * (1.0 - eff):.0f}%", r["reps"]]
 
 
 def plot(data, path):
@@ -154,13 +161,14 @@ def plot(data, path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="S = 8192, 1 head, 2 repetitions")
-    ap.add_argument("--reps", type=int, default=5, help="repetitions for 1-head shapes")
-    ap.add_argument("--reps-big", type=int, default=3, help="repetitions for 12-head shapes (2 at S=32760)")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions for 1-head shapes (at most 3 at S=32760)")
+    ap.add_argument("--reps-big", type=int, default=2, help="repetitions for 12-head shapes")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--seq", default=None, help="comma-separated sequence lengths (default 16384,32760)")
     ap.add_argument("--heads", default="1,12")
     ap.add_argument("--backends", default="cpp,flex,gather")
+    ap.add_argument("--append", action="store_true", help="keep the shapes already in the results file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lib = _ext.load()
@@ -172,15 +180,21 @@ def main():
     dtypes = [getattr(torch, x) for x in args.dtypes.split(",")]
     name = "sparse_speed_quick" if args.quick else "sparse_speed"
     rows, data = [], []
+    if args.append and (RESULTS / f"{name}.json").is_file():  # continue an interrupted run
+        data = json.loads((RESULTS / f"{name}.json").read_text())
+        rows = [row_of(r) for r in data]
+    done = {(r["S"], r["heads"], r["dtype"]) for r in data}
     for h in heads:
         for s in seq:
             for dtype in dtypes:
+                if (s, h, str(dtype).replace("torch.", "")) in done:
+                    continue
                 if args.quick:
                     reps = 2
                 elif h == 1:
-                    reps = args.reps
+                    reps = args.reps if s < 32760 else min(args.reps, 3)
                 else:
-                    reps = min(args.reps_big, 2) if s >= 32760 else args.reps_big
+                    reps = args.reps_big
                 r, d = run_shape(s, h, dtype, backends, [0.5, 0.8, 0.9], reps)
                 rows += r
                 data += d

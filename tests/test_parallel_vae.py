@@ -159,7 +159,7 @@ def test_frame_count_and_order(world):
             assert r["dec_frames"] == r["ref_frames"] == 1 + 4 * (n - 1), (rank, n, r)
             assert r["enc_frames"] == n, (rank, n, r)
             assert r["dec_equal"] and r["enc_equal"], (rank, n, chunk_size, r)
-            assert r["chunks"] == (min(n, world) if chunk_size is None else n)
+            assert r["chunks"] == (min(n, world) if chunk_size is None else -(-n // chunk_size))
             # ONE collective assembles the video (and one the latents)
             assert r["dec_calls"] == {"vae_gather": 1} and r["enc_calls"] == {"vae_gather": 1}, r
 
@@ -210,3 +210,18 @@ def test_pipelines_end_to_end():
             assert r["diff"] <= TOL, (rank, key, r)
             assert r["calls"]["decode"] == 1 and r["calls"]["encode"] == (1 if key[0] == "i2v" else 0), r
             assert r["removed"], r
+
+
+def test_cli_vae_parallel_flags():
+    from lite_boost import cli
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["generate", "--nproc", "2", "--vae-parallel", "chunked", "--vae-overlap", "3"])
+    cli._validate_generate(args)
+    par = cli._boost_config(args).parallel
+    assert (par.vae_parallel, par.vae_overlap) == ("chunked", 3)
+    assert cli._boost_config(parser.parse_args(["generate"])).parallel.vae_parallel is None  # exact on > 1 rank
+    with pytest.raises(SystemExit, match="--vae-overlap"):
+        cli._validate_generate(parser.parse_args(["generate", "--vae-parallel", "exact", "--vae-overlap", "2"]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--vae-parallel", "fast"])

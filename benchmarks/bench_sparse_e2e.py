@@ -5,7 +5,7 @@
 
 The transformer is tiny (2 layers, 1 head of 128 channels, small FFN) so self-attention dominates
 the denoising loop, as in the real model at 480p. Compared: stock diffusers, and boosted with
-``SparseConfig(sparsity=s)`` for each ``--sparsities`` value and each ``--selectors`` value
+``SparseConfig(sparsity=s, selector=sel)`` for each ``--variants`` entry ``sel:s``
 (library defaults otherwise: reference 8x8 token order, forced blocks on top of the top-k, no dense
 steps). Timed: the denoising loop (``output_type="latent"``: text encoder + transformer, what
 sparse attention changes), medians of interleaved runs after a warm-up; the VAE decode is timed
@@ -48,8 +48,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sparsities", default="0.5,0.6,0.7,0.8,0.9")
-    ap.add_argument("--selectors", default="subblock,reference")
+    ap.add_argument("--variants", default="subblock:0.5,subblock:0.7,subblock:0.8,subblock:0.9,reference:0.8",
+                    help="comma list of selector:sparsity")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     h, w, frames, steps = (240, 416, 9, 3) if args.quick else (480, 832, 41, 6)
@@ -57,9 +57,9 @@ def main():
     call = dict(prompt="a red fox runs through fresh snow", negative_prompt="blurry", height=h, width=w,
                 num_frames=frames, guidance_scale=5.0, output_type="latent")
     variants = {"stock": None}
-    for sel in args.selectors.split(","):
-        for sp in (float(x) for x in args.sparsities.split(",")):
-            variants[f"{sel} {sp}"] = SparseConfig(sparsity=sp, selector=sel)
+    for item in args.variants.split(","):
+        sel, sp = item.split(":")
+        variants[f"{sel} {float(sp)}"] = SparseConfig(sparsity=float(sp), selector=sel)
 
     def use(cfg):
         if cfg is None:

@@ -24,7 +24,9 @@ import torch.nn.functional as F
 
 from bench_sparse_common import environment, markdown_table, write
 
+from lite_boost.ops import rain_fusion as rf
 from lite_boost.ops._sparse_layout import token_order
+from lite_boost.ops._sparse_mask import forced_blocks
 from lite_boost.ops.sparse import sparse_attention
 
 ORDERS = [("raster", "raster"), ("reference 8x8", None), ("ours (2,8,8)", (2, 8, 8)), ("ours (4,4,8)", (4, 4, 8)),
@@ -77,13 +79,99 @@ def structured_qkv(grid, heads, d, seed, noise=0.5, offset=0.5, sink=0.3, temper
     return tuple(t.transpose(0, 1)[None].contiguous() for t in (q, k, v))  # BNSD
 
 
-def recall(q, k, stats, grid, window, block, chunk=1024):
-    """(recall, oracle recall), both means over query tokens.
+def _normalise(q, k, d, temperature):
+    q = q * temperature / q.norm(dim=-1, keepdim=True).mean()
+    k = k * math.sqrt(d) / k.norm(dim=-1, keepdim=True).mean()
+    return q, k
+
+
+def _bnsd(*ts):
+    return tuple(t.transpose(0, 1)[None].contiguous() for t in ts)
+
+
+def objects_qkv(grid, heads, d, seed, temperature=12.0, n_objects=6, speed=3.0, noise=0.5, offset=0.3):
+    """Sharp object boundaries with fast motion: a label map of ``n_objects`` ellipses moving
+    ``speed`` tokens per frame (wrapping around) over a background; Q and K share one embedding per
+    label (a token attends to its own object wherever it is in space and time), plus noise, a weak
+    shared offset and 3-D RoPE (a mild preference for nearby tokens). No sink. BNSD tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    t, h, w = grid
+    s = math.prod(grid)
+    yy, xx = torch.meshgrid(torch.arange(h).float(), torch.arange(w).float(), indexing="ij")
+    labels = torch.zeros(t, h, w, dtype=torch.long)
+    for o in range(1, n_objects + 1):
+        cy, cx = float(torch.rand(1, generator=gen)) * h, float(torch.rand(1, generator=gen)) * w
+        ry, rx = (0.12 + 0.2 * torch.rand(2, generator=gen)) * torch.tensor([h, w]).float()
+        ang = float(torch.rand(1, generator=gen)) * 2 * math.pi
+        vy, vx = speed * math.sin(ang), speed * math.cos(ang)
+        for f in range(t):
+            dy = (yy - cy - vy * f + h / 2) % h - h / 2
+            dx = (xx - cx - vx * f + w / 2) % w - w / 2
+            labels[f][(dy / ry) ** 2 + (dx / rx) ** 2 <= 1] = o
+    emb = torch.randn(n_objects + 1, heads, d, generator=gen)
+    base = emb[labels.view(-1)]
+    q = base + noise * torch.randn(s, heads, d, generator=gen)
+    k = base + noise * torch.randn(s, heads, d, generator=gen)
+    v = _field(gen, heads * d, grid).view(s, heads, d) + 0.5 * emb[labels.view(-1)]
+    c = torch.randn(1, heads, d, generator=gen)
+    q, k = _rope(q + offset * c, grid), _rope(k + offset * c, grid)
+    q, k = _normalise(q, k, d, temperature)
+    return _bnsd(q, k, v)
+
+
+def pan_qkv(grid, heads, d, seed, temperature=12.0, pan=2.0, n_sinks=4, sink_tokens=6, sink=0.6, noise=0.5):
+    """A camera pan with attention mostly local in time and a few small scattered sinks: content is
+    one wide smooth texture that slides ``pan`` tokens per frame; a temporal code in a quarter of
+    the channels (sum of cosines of the frame distance) makes Q.K fall off with the frame gap; and
+    ``n_sinks`` compact groups of ``sink_tokens`` key tokens at random places in space and time
+    (not frame 0) carry a component along the mean query (registers / sinks that a 128-token block
+    mean dilutes). No 3-D RoPE. BNSD tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    t, h, w = grid
+    s = math.prod(grid)
+    wide = int(w + pan * t) + 2
+    tex = _field(gen, heads * d, (2, h, wide), coarse=(1, 3, 3)).view(2, h, wide, heads, d)[0]
+    xs = (torch.arange(w)[None, :] + (pan * torch.arange(t)).long()[:, None])  # (t, w)
+    content = tex[:, xs].permute(1, 0, 2, 3, 4).reshape(s, heads, d)  # (t, h, w) order
+    content = content / content.std()
+    dt = d // 4
+    frame = torch.arange(t).repeat_interleave(h * w).double()
+    freqs = torch.linspace(0.05, 1.2, dt // 2, dtype=torch.float64)
+    code = torch.cat([torch.cos(frame[:, None] * freqs), torch.sin(frame[:, None] * freqs)], 1).float()
+    code = code[:, None, :].expand(s, heads, dt) * 1.5
+    q = content + noise * torch.randn(s, heads, d, generator=gen)
+    k = content + noise * torch.randn(s, heads, d, generator=gen)
+    q[..., d - dt:] += code
+    k[..., d - dt:] += code
+    v = _field(gen, heads * d, grid).view(s, heads, d)
+    q, k = _normalise(q, k, d, temperature)
+    qdir = q.mean(0, keepdim=True)
+    qdir = qdir / qdir.norm(dim=-1, keepdim=True)
+    for _ in range(n_sinks):
+        f = 1 + int(torch.randint(max(1, t - 1), (1,), generator=gen))
+        y, x = int(torch.randint(h, (1,), generator=gen)), int(torch.randint(max(1, w - sink_tokens), (1,), generator=gen))
+        i0 = (min(f, t - 1) * h + y) * w + x
+        k[i0:i0 + sink_tokens] += sink * math.sqrt(d) * 3 * qdir
+    return _bnsd(q, k, v)
+
+
+def smooth_qkv(grid, heads, d, seed, temperature=12.0):
+    return structured_qkv(grid, heads, d, seed, temperature=temperature)
+
+
+GENERATORS = {"smooth": smooth_qkv, "objects": objects_qkv, "pan": pan_qkv}
+
+
+def recall(q, k, stats, grid, window, block, chunk=1024, forced=None):
+    """(recall, oracle recall[, forced-oracle recall]), means over query tokens.
 
     recall: dense softmax mass inside the kept blocks. oracle: the mass an ideal selector would keep
     with the same number of blocks per query block (top blocks by true aggregated mass), so
     recall / oracle measures the selector and the oracle itself measures how concentrated the
-    attention is in this token order.
+    attention is in this token order. With ``forced`` ((nkb,) bool forced key blocks, diagonal
+    included per row when keep_recent): also the best possible selection that keeps the forced
+    blocks and the same number of blocks per query block (what any selector can reach under the
+    forced-block rule).
     """
     b, n, s, d = q.shape
     order = token_order(grid, window, 0)
@@ -94,7 +182,7 @@ def recall(q, k, stats, grid, window, block, chunk=1024):
     valid = torch.arange(si.shape[-1]) < sn[..., None]
     sel.scatter_(2, torch.where(valid, si, torch.full_like(si, nkb)), True)
     sel = sel[..., :nkb]
-    total = oracle = 0.0
+    total = oracle = oracle_forced = 0.0
     for h in range(n):
         qb_mass = torch.zeros(nqb, nkb, dtype=torch.float64)
         for i0 in range(0, s, chunk):
@@ -105,7 +193,99 @@ def recall(q, k, stats, grid, window, block, chunk=1024):
         sorted_mass = qb_mass.sort(dim=1, descending=True).values.cumsum(1)
         keep = sn[:, h].clamp(1, nkb).long() - 1
         oracle += float(sorted_mass.gather(1, keep[:, None]).sum())
-    return total / (n * s), oracle / (n * s)
+        if forced is not None:
+            f = forced.expand(nqb, nkb)
+            free = qb_mass.masked_fill(f, -1.0).sort(dim=1, descending=True).values.clamp_min(0).cumsum(1)
+            n_free = (sn[:, h].long() - f.sum(1)).clamp_min(0)
+            best_free = torch.where(n_free > 0, free.gather(1, (n_free - 1).clamp_min(0)[:, None])[:, 0], 0.0)
+            oracle_forced += float((qb_mass * f).sum() + best_free.sum())
+    out = (total / (n * s), oracle / (n * s))
+    return out + (oracle_forced / (n * s),) if forced is not None else out
+
+
+def forced_mask(grid, window, block, keep_sink=True, keep_recent=True):
+    """(nqb, nkb) bool: the blocks sparse_attention forces for a self-attention call on ``grid``."""
+    o = token_order(grid, window, 0)
+    nb = -(-math.prod(grid) // block)
+    cols = forced_blocks(o.is_sink if keep_sink else torch.zeros_like(o.is_sink), block)
+    f = cols[None, :].expand(nb, nb).clone()
+    if keep_recent:
+        f[torch.arange(nb), torch.arange(nb)] = True
+    return f
+
+
+class _NoKernel:
+    """Context: sparse_attention builds its mask but skips the kernel (density search only)."""
+
+    def __enter__(self):
+        self._orig = rf._dispatch
+        rf._dispatch = lambda q, k, v, si, sn, problem, lse, backend: (q.new_zeros(q.shape), None, "skipped")
+
+    def __exit__(self, *exc):
+        rf._dispatch = self._orig
+
+
+def match_density(q, k, grid, window, block, target_eff, heads, selector, budget="reference"):
+    """Largest kept density of ``selector`` not above 1 - target_eff (never more compute than the
+    baseline): returns the sparsity to use. Steps one block per row at a time."""
+    nkb = -(-q.shape[2] // block)
+    best = None
+    with _NoKernel():
+        for keep in range(1, nkb + 1):
+            spars = 1.0 - (keep - 0.5) / nkb  # ceil((1 - spars) * nkb) == keep
+            _, st = sparse_attention(q, k, q, head_num=heads, sparse_type="rf_v2", block_size=block,
+                                     latent_shape_q=grid, sparsity=spars, window=window, return_stats=True,
+                                     selector=selector, budget=budget)
+            if st.effective_sparsity + 1e-12 < target_eff:
+                break
+            best = spars
+    return best
+
+
+def compare_selectors(grid, heads, d, seeds, generators, temperatures, sparsity=0.8, block=128, window=None):
+    """Reference selector at ``sparsity`` vs "subblock" at the same or lower kept density."""
+    rows, data = [], []
+    forced = forced_mask(grid, window, block)
+    for gen_name in generators:
+        for temp in temperatures:
+            acc = {}
+            for seed in seeds:
+                q, k, v = GENERATORS[gen_name](grid, heads, d, seed, temperature=temp)
+                dense = F.scaled_dot_product_attention(q, k, v)
+                runs = {}
+                for label, selector, budget in (("reference", "reference", "reference"),
+                                                ("subblock", "subblock", "reference"),
+                                                ("reference, total", "reference", "total"),
+                                                ("subblock, total", "subblock", "total")):
+                    spars = sparsity
+                    if label == "subblock":  # equal compute: match the reference's kept density
+                        spars = match_density(q, k, grid, window, block, runs["reference"]["eff"], heads, selector)
+                        if spars is None:  # even one free block per row is denser than the reference
+                            runs[label] = {key: float("nan") for key in runs["reference"]}
+                            continue
+                    out, st = sparse_attention(q, k, v, head_num=heads, sparse_type="rf_v2", block_size=block,
+                                               latent_shape_q=grid, sparsity=spars, window=window,
+                                               return_stats=True, selector=selector, budget=budget)
+                    cos = F.cosine_similarity(out.double(), dense.double(), dim=-1).flatten()
+                    r, o, of = recall(q, k, st, grid, window, block, forced=forced)
+                    runs[label] = dict(eff=st.effective_sparsity, sparsity=spars, cos=float(cos.mean()),
+                                       cos_p1=float(torch.quantile(cos, 0.01)), recall=r, oracle=o, oracle_forced=of)
+                for label, m in runs.items():
+                    for key, val in m.items():
+                        acc.setdefault(label, {}).setdefault(key, []).append(val)
+            mean = {lab: {key: sum(v) / len(v) for key, v in m.items()} for lab, m in acc.items()}
+            for budget_tag, ref_l, new_l in (("reference", "reference", "subblock"),
+                                             ("total", "reference, total", "subblock, total")):
+                r, n_ = mean[ref_l], mean[new_l]
+                gap = (n_["recall"] - r["recall"]) / max(1e-9, r["oracle"] - r["recall"])
+                gap_f = (n_["recall"] - r["recall"]) / max(1e-9, r["oracle_forced"] - r["recall"])
+                rows.append([gen_name, temp, budget_tag, f"{r['eff']:.3f} / {n_['eff']:.3f}",
+                             f"{r['cos']:.4f} / **{n_['cos']:.4f}**", f"{r['cos_p1']:.3f} / {n_['cos_p1']:.3f}",
+                             f"{r['recall']:.3f} / **{n_['recall']:.3f}**", f"{r['oracle']:.3f}",
+                             f"{r['oracle_forced']:.3f}", f"{gap:.0%}", f"{gap_f:.0%}"])
+                print(rows[-1], flush=True)
+            data.append(dict(generator=gen_name, temperature=temp, grid=grid, seeds=list(seeds), runs=mean))
+    return rows, data
 
 
 def run(grid, heads, d, seeds, sparsities, block=128, temperatures=(12.0,)):
@@ -121,6 +301,7 @@ def run(grid, heads, d, seeds, sparsities, block=128, temperatures=(12.0,)):
                     dense = F.scaled_dot_product_attention(q, k, v)
                     out, stats = sparse_attention(q, k, v, head_num=heads, sparse_type="rf_v2", block_size=block,
                                                   latent_shape_q=grid, sparsity=sp, window=window, return_stats=True)
+                    # default selector ("subblock") and budget ("reference")
                     cos = F.cosine_similarity(out.double(), dense.double(), dim=-1).flatten()
                     acc["cos"].append(float(cos.mean()))
                     acc["cos_p1"].append(float(torch.quantile(cos, 0.01)))
@@ -142,25 +323,48 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--temperatures", default="12",
-                    help="comma list of query-norm temperatures (attention concentration), e.g. 12,24")
-    ap.add_argument("--sparsities", default="0.5,0.8,0.9")
-    ap.add_argument("--name", default=None, help="results file stem (default sparse_quality[_quick])")
+    ap.add_argument("--mode", choices=("selectors", "orders"), default="selectors",
+                    help="selectors: reference vs subblock at equal kept density on every generator; "
+                         "orders: token orders x sparsities with the default selector")
+    ap.add_argument("--generators", default=",".join(GENERATORS), help=f"comma list of {list(GENERATORS)}")
+    ap.add_argument("--temperatures", default="12,24,36",
+                    help="comma list of query-norm temperatures (attention concentration)")
+    ap.add_argument("--sparsities", default="0.5,0.8,0.9", help="orders mode")
+    ap.add_argument("--name", default=None, help="results file stem")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     grid, seeds = ((5, 16, 24), [0]) if args.quick else ((9, 30, 52), [0, 1])
     heads, d = 2, 64
     temps = [float(x) for x in args.temperatures.split(",")]
-    rows, data = run(grid, heads, d, seeds, [float(x) for x in args.sparsities.split(",")], temperatures=temps)
-    headers = ["temperature", "sparsity", "token order", "effective sparsity", "cosine (mean)", "cosine (worst 1%)",
-               "rel L1", "attention-mass recall", "oracle recall (same block budget)"]
-    text = (f"### rf_v2 quality vs dense attention on structured inputs\n\n{environment()}; grid {grid} "
-            f"({math.prod(grid)} tokens), {heads} heads, D={d}, block 128, keep_sink/keep_recent on, "
-            f"mean over seeds {seeds}. temperature = mean query norm with |k| = sqrt(D), i.e. the logit scale: "
-            f"higher means more concentrated attention. The oracle column is the mass the best possible block "
-            f"selector would keep with the same number of blocks per query block (true top blocks).\n\n"
-            + markdown_table(headers, rows))
-    write(args.name or ("sparse_quality_quick" if args.quick else "sparse_quality"), text, data)
+    suffix = "_quick" if args.quick else ""
+    setup = (f"{environment()}; grid {grid} ({math.prod(grid)} tokens), {heads} heads, D={d}, block 128, "
+             f"keep_sink/keep_recent on, mean over seeds {seeds}. temperature = mean query norm with |k| = sqrt(D), "
+             f"i.e. the logit scale: higher means more concentrated attention.")
+    if args.mode == "orders":
+        rows, data = run(grid, heads, d, seeds, [float(x) for x in args.sparsities.split(",")], temperatures=temps)
+        headers = ["temperature", "sparsity", "token order", "effective sparsity", "cosine (mean)",
+                   "cosine (worst 1%)", "rel L1", "attention-mass recall", "oracle recall (same block budget)"]
+        text = (f"### rf_v2 quality vs dense attention on structured inputs (token orders)\n\n{setup} Default "
+                f"selector and budget. The oracle column is the mass the best possible block selector would keep "
+                f"with the same number of blocks per query block (true top blocks).\n\n"
+                + markdown_table(headers, rows))
+        write(args.name or f"sparse_quality{suffix}", text, data)
+        return
+    gens = args.generators.split(",")
+    rows, data = compare_selectors(grid, heads, d, seeds, gens, temps)
+    headers = ["generator", "temperature", "budget", "effective sparsity ref / ours", "cosine ref / ours",
+               "cosine worst 1% ref / ours", "recall ref / ours", "oracle", "oracle with forced blocks",
+               "gap to oracle closed", "gap to forced oracle closed"]
+    text = (f"### Block selectors at equal kept density: RainFusion 2.0 mean pooling vs subblock\n\n{setup} "
+            f"Reference-order tokens (window=None). budget 'reference': the reference selector runs at sparsity "
+            f"0.8 (forced blocks on top) and ours at the sparsity that keeps the most blocks without exceeding "
+            f"the reference's kept density (never more compute); budget 'total': both at sparsity 0.8 with the "
+            f"forced blocks inside the budget, so exactly the same blocks per row. recall = dense softmax mass "
+            f"inside the kept blocks; oracle = the true top blocks with the reference's count per query block; "
+            f"oracle with forced blocks = the forced blocks plus the true top free blocks, the same count (the "
+            f"best any selector can do under the forced-block rule). gap closed = (ours - ref) / (oracle - ref)."
+            f"\n\n" + markdown_table(headers, rows))
+    write(args.name or f"sparse_selectors{suffix}", text, data)
 
 
 if __name__ == "__main__":

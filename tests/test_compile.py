@@ -111,10 +111,18 @@ def test_six_step_pipeline_compiles_at_most_twice(regional):
     assert paths == {"dense", "sparse"}  # the schedule really switched while compiled
 
 
-@pytest.mark.parametrize("how", ["config", "context"])
+@pytest.mark.parametrize("how", ["config", "context", "sparse"])
 def test_forced_backend_that_cannot_run_raises_the_dispatch_error(how):
     model, _ = _model("dense")
     args, _ = _inputs(grid=(2, 3, 3))
+    if how == "sparse":  # block-sparse kernel forced to the Ascend one on CPU, inside compiled blocks
+        from lite_boost.ops.rain_fusion import SparseBackendError
+
+        lite_boost.boost(model, BoostConfig(sparse=SparseConfig(sparsity=0.8, block_size=4, backend="npu")))
+        model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+        with torch.no_grad(), pytest.raises(SparseBackendError, match=r"'npu' \(requested by the call\) cannot run"):
+            model(*args)
+        return
     if how == "config":
         lite_boost.boost(model, BoostConfig(attention_backend="fa2"))
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
@@ -158,7 +166,7 @@ def test_step_cache_composes_with_compiled_blocks():
 
     from lite_boost.config import CacheConfig
 
-    kw = dict(height=64, width=128, num_frames=5, steps=6)
+    kw = dict(height=64, width=128, num_frames=5, steps=4)
     config = BoostConfig(sparse=SPARSE, cache=CacheConfig(method="first_block_cache", params={"threshold": 0.3}))
     outs, graphs, decisions = {}, {}, {}
     for variant in ("eager", "compiled", "stock"):

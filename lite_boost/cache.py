@@ -372,6 +372,24 @@ def iter_diffusers_hooks(model):
             yield name, hook_name, registry.hooks[hook_name]
 
 
+class CacheCollectiveError(RuntimeError):
+    """A collective of a rank-consistent cache decision failed or timed out (names it and the group)."""
+
+
+def gather_named(comm, out, inp, op: str, what: str):
+    """``comm.all_gather_into`` whose failure (a dead peer, the group's timeout) names the collective."""
+    import time
+
+    t0 = time.monotonic()
+    try:
+        return comm.all_gather_into(out, inp, op=op)
+    except Exception as exc:  # noqa: BLE001 - re-raised with context
+        raise CacheCollectiveError(
+            f"all_gather '{op}' of the {what} failed in the sequence group (size {comm.size}, this rank "
+            f"{comm.rank}) after {time.monotonic() - t0:.1f}s: {exc}"
+        ) from exc
+
+
 @dataclass
 class CacheDecision:
     """One data-dependent decision: which branch, which call of it, the statistic, compute or reuse."""
@@ -434,7 +452,8 @@ class FirstBlockDecision:
         cur, prev = self._real(residual), self._real(prev)
         local = torch.stack([(cur - prev).abs().sum(dtype=torch.float64), prev.abs().sum(dtype=torch.float64)])
         everyone = local.new_empty((self.comm.size, 2))
-        self.comm.all_gather_into(everyone, local.reshape(1, 2), op="cache_decision")
+        gather_named(self.comm, everyone, local.reshape(1, 2), "cache_decision",
+                     f"First-Block-Cache statistic ({name!r} branch, call {call})")
         num = den = 0.0
         for r in range(self.comm.size):  # fixed order: bit-identical on every rank
             num += float(everyone[r, 0])

@@ -102,7 +102,10 @@ def test_failing_rank_during_a_cached_run_ends_all_ranks(mode):
         log = procs[0].communicate(timeout=10)[0] if code is not None else ""
         assert code is not None, f"healthy rank still running {time.monotonic() - start:.0f}s after a {mode} fault"
         assert code != 0, f"healthy rank exited 0 after a {mode} fault:\n{log[-2000:]}"
-        if mode != "hang":
+        if mode == "hang":  # the healthy rank's error names the collective, its group and the time waited
+            assert "all_gather 'cache_decision' of the First-Block-Cache statistic" in log, log[-2000:]
+            assert "sequence group (size 2" in log and "after " in log
+        else:
             assert procs[faulty].wait(timeout=30) != 0
     finally:
         for p in procs:

@@ -27,7 +27,7 @@ the same decision; the collectives carry the mesh's timeout.
 
 from __future__ import annotations
 
-from ..cache import FirstBlockDecision, iter_diffusers_hooks
+from ..cache import FirstBlockDecision, gather_named, iter_diffusers_hooks
 from ..config import ConfigError
 
 __all__ = ["RankConsistentCache", "make_cache_rank_consistent"]
@@ -47,7 +47,7 @@ class _SeaAgreement:
         compute = bool(self.inner(state, metadata, indicator, config))
         mine = torch.tensor([[1 if compute else 0]], dtype=torch.int64)
         everyone = mine.new_empty((self.comm.size, 1))
-        self.comm.all_gather_into(everyone, mine, op="cache_decision_check")
+        gather_named(self.comm, everyone, mine, "cache_decision_check", f"SeaCache decision (step {metadata.step_index})")
         votes = [int(v) for v in everyone.flatten().tolist()]
         if len(set(votes)) != 1:
             raise RuntimeError(f"SeaCache decisions differ across the sequence group (compute votes by rank: {votes}); "

@@ -157,9 +157,17 @@ def rotate(x: torch.Tensor, freqs: torch.Tensor, *, inplace: bool = False) -> to
         raise ValueError(
             f"freqs must have shape (1, S={x.shape[1]}, 1, D/2={x.shape[-1] // 2}), got {tuple(freqs.shape)}"
         )
+    half = x.shape[-1] // 2
+    if torch.compiler.is_compiling():
+        # Traced: real arithmetic on (cos, sin) views of the phasors, which inductor fuses with the
+        # surrounding norm into one kernel (complex multiplies are not lowered; they would run as a
+        # separate, unfused aten kernel). In-place has no meaning in a functional graph.
+        cos_sin = torch.view_as_real(freqs)
+        cos, sin = cos_sin[..., 0], cos_sin[..., 1]
+        x1, x2 = x.float().unflatten(-1, (half, 2)).unbind(-1)
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).to(x.dtype)
     if not inplace:
         x = x.clone(memory_format=torch.contiguous_format)
-    half = x.shape[-1] // 2
     if x.dtype == torch.float32 and x.is_contiguous():
         torch.view_as_complex(x.view(*x.shape[:-1], half, 2)).mul_(freqs)
         return x

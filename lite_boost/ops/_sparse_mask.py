@@ -6,7 +6,9 @@ so every rank that sees the same tensors builds the same mask:
 * ``"reference"``: RainFusion 2.0 / MindSpore Lite: mean-pool Q and K per block and rank KV blocks
   by the pooled logit (the pooled softmax is monotone per row, so this is its order).
 * ``"subblock"``: estimated attention mass. Each query block is summarised by ``q_reps`` sub-block
-  means and each key block by ``k_reps`` sub-block means plus their per-channel variance; a softmax
+  means and each key block by ``k_reps`` sub-block means plus their per-channel variance, with the
+  4 keys farthest from their sub-block mean taken out as representatives of their own (so that a
+  few outstanding keys, e.g. attention sinks, are not averaged away); a softmax
   over all key representatives (each weighted by its token count and corrected by the Gaussian
   term ``0.5 * scale^2 * sum_d q_d^2 var_d``) estimates, per query representative, the share of
   its attention that falls into each key block; the shares of a query block's representatives are
@@ -108,7 +110,8 @@ def sub_block_stats(x: torch.Tensor, block: int, reps: int, variance: bool = Fal
 
 
 def block_scores(q: torch.Tensor, k: torch.Tensor, block: int, scale: float, selector: str = "reference",
-                 q_reps: int = 16, k_reps: int = 8, variance: bool = True, max_elems: int = 1 << 24):
+                 q_reps: int = 16, k_reps: int = 8, variance: bool = True, max_elems: int = 1 << 24,
+                 k_outliers: int = 4):
     """Score every (query block, key block) pair of reordered q (B, N1, Sq, D) and k (B, N2, Skv, D).
 
     Returns (score, probs), both fp32 (B, N1, nqb, nkb): ``score`` ranks the key blocks of a row
@@ -129,9 +132,11 @@ def block_scores(q: torch.Tensor, k: torch.Tensor, block: int, scale: float, sel
     qm, qn, _ = sub_block_stats(q, block, q_reps)
     km, kn, kv = sub_block_stats(k, block, k_reps, variance=variance)
     rq, rk = qm.shape[2] // nqb, km.shape[2] // nkb
+    log_n = torch.log(kn).view(1, 1, -1, 1).expand(b, n2, -1, 1)
+    if k_outliers:
+        km, log_n, kv, rk = _split_outliers(k, block, km, kn, kv, rk, min(k_outliers, block))
     # one matmul gives every representative logit: [scale q, q^2, 1] . [k, 0.5 scale^2 var, log n]
     # (each key representative stands for n tokens; log 0 = -inf for the empty runs of a short block)
-    log_n = torch.log(kn).view(1, 1, -1, 1).expand(b, n2, -1, 1)
     qa = [qm * scale, qm * qm] if variance else [qm * scale]
     ka = [km, kv.mul_(0.5 * scale * scale)] if variance else [km]
     qa = torch.cat(qa + [torch.ones_like(qm[..., :1])], -1)
@@ -149,6 +154,43 @@ def block_scores(q: torch.Tensor, k: torch.Tensor, block: int, scale: float, sel
     w = (qn / qn.view(nqb, rq).sum(-1).clamp_min(1).repeat_interleave(rq)).view(1, 1, nqb * rq, 1)
     probs = mass.mul_(w).view(b, n1, nqb, rq, nkb).sum(3)
     return probs, probs
+
+
+def _split_outliers(k, block, km, kn, kv, rk, m):
+    """Take the ``m`` keys of each block farthest from their run mean out of the runs as their own
+    representatives (count 1, variance 0): a few keys that stand out (sinks) are not averaged away."""
+    b, h, s, d = k.shape
+    nkb = km.shape[2] // rk
+    pad = nkb * block - s
+    kp = k.to(torch.float32)
+    if pad:
+        kp = torch.nn.functional.pad(kp, (0, 0, 0, pad))
+    kp = kp.view(b, h, nkb, block, d)
+    run = torch.arange(block, device=k.device) * rk // block
+    mean = km.view(b, h, nkb, rk, d)
+    dev = (kp - mean.index_select(3, run)).square_().sum(-1)  # (b, h, nkb, block)
+    if pad:
+        valid = (torch.arange(nkb * block, device=k.device) < s).view(nkb, block)
+        dev = dev.masked_fill(~valid, -1.0)
+    top = torch.sort(dev, dim=-1, descending=True, stable=True).indices[..., :m]  # (b, h, nkb, m)
+    is_tok = (torch.gather(dev, -1, top) >= 0).to(torch.float32)  # padding is never an outlier
+    out = torch.gather(kp, 3, top[..., None].expand(b, h, nkb, m, d))
+    r_of = run[top]  # (b, h, nkb, m)
+    n = kn.view(1, 1, nkb, rk).expand(b, h, nkb, rk).clone()
+    n.scatter_add_(-1, r_of, -is_tok)
+    total = mean * kn.view(1, 1, nkb, rk, 1)
+    total.scatter_add_(3, r_of[..., None].expand(b, h, nkb, m, d), -out * is_tok[..., None])
+    denom = n.clamp_min(1)[..., None]
+    new_mean = total / denom
+    parts_m = [new_mean, out]
+    if kv is not None:
+        sq = (kv.view(b, h, nkb, rk, d) + mean * mean) * kn.view(1, 1, nkb, rk, 1)
+        sq.scatter_add_(3, r_of[..., None].expand(b, h, nkb, m, d), -(out * out) * is_tok[..., None])
+        new_var = (sq / denom - new_mean * new_mean).clamp_min_(0)
+        kv = torch.cat([new_var, torch.zeros_like(out)], 3).view(b, h, nkb * (rk + m), d)
+    km = torch.cat(parts_m, 3).view(b, h, nkb * (rk + m), d)
+    log_n = torch.log(torch.cat([n, is_tok], -1)).view(b, h, nkb * (rk + m), 1)
+    return km, log_n, kv, rk + m
 
 
 def forced_blocks(flags: torch.Tensor, block: int) -> torch.Tensor:

@@ -3,8 +3,9 @@
     python benchmarks/bench_sparse_memory.py           # S = 16384, 12 heads, D = 128, fp32 and bf16
     python benchmarks/bench_sparse_memory.py --quick   # S = 8192, 4 heads, fp32
 
-sparse_attention runs at sparsity 0.8 with keep_sink=False on each block-sparse backend ("cpp",
-"flex", "gather"; the C++ kernel also with every block selected, sparsity 0).
+sparse_attention runs at sparsity 0.8 with keep_sink=False (default selector) on each block-sparse
+backend ("cpp", "flex", "gather"); sparsity 0 = ``rain_fusion_attention`` with every block selected
+on the C++ kernel (sparse_attention itself would run SDPA there).
 
 Method: the child process sets MALLOC_MMAP_THRESHOLD_ so every large tensor is an mmap that is
 returned to the OS when freed (RSS then follows live tensors), records its RSS before creating the
@@ -39,8 +40,16 @@ if method == 'sdpa':
     run = lambda: F.scaled_dot_product_attention(q, k, v)
 else:
     from lite_boost.ops.sparse import sparse_attention
-    run = lambda: sparse_attention(q, k, v, head_num=heads, sparse_type='rf_v2', block_size=128, latent_shape_q=grid,
-                                   sparsity=sparsity, window=(2, 8, 8), keep_sink=False, backend=method)
+    if sparsity == 0.0:  # every block selected: sparse_attention would run SDPA, so call the kernel itself
+        from lite_boost.ops.rain_fusion import rain_fusion_attention
+        nb = -(-s // 128)
+        idx = torch.arange(nb).expand(nb, heads, nb).contiguous(); num = torch.full((nb, heads), nb)
+        run = lambda: rain_fusion_attention(q, k, v, idx, num, [128, 128], q_input_layout='BNSD',
+                                            kv_input_layout='BNSD', backend=method)[0]
+    else:
+        run = lambda: sparse_attention(q, k, v, head_num=heads, sparse_type='rf_v2', block_size=128,
+                                       latent_shape_q=grid, sparsity=sparsity, window=(2, 8, 8), keep_sink=False,
+                                       backend=method)
 out = run(); del out
 open('/proc/self/clear_refs', 'w').write('5')
 before = status('VmRSS')

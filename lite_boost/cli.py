@@ -32,10 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--image", default=None, help="conditioning image: image-to-video")
     gen.add_argument("--prompt", default=None)
     gen.add_argument("--negative-prompt", default=None)
-    gen.add_argument("--height", type=int, default=None, help="default 480 for --model, 64 for the tiny model")
-    gen.add_argument("--width", type=int, default=None, help="default 832 for --model, 96 for the tiny model")
-    gen.add_argument("--num-frames", type=int, default=None, help="4k+1 frames (default 81 / 9)")
-    gen.add_argument("--steps", type=int, default=None, help="denoising steps (default 50 / 4)")
+    gen.add_argument("--height", type=int, default=None, help="default 480 for --model, 192 for the tiny model")
+    gen.add_argument("--width", type=int, default=None, help="default 832 for --model, 320 for the tiny model")
+    gen.add_argument("--num-frames", type=int, default=None, help="4k+1 frames (default 81 / 17)")
+    gen.add_argument("--steps", type=int, default=None, help="denoising steps (default 50 / 10)")
     gen.add_argument("--guidance-scale", type=float, default=5.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default bfloat16 on GPU/NPU, float32 on CPU")
@@ -236,9 +236,9 @@ def _load_pipeline(args, kind, device, dtype):
     import torch
 
     if args.model is None:
-        from lite_boost.demo import tiny_wan_pipeline
+        from lite_boost.demo import DEMO_SPEC, tiny_wan_pipeline
 
-        pipe = tiny_wan_pipeline(kind, dtype=dtype)
+        pipe = tiny_wan_pipeline(kind, spec=DEMO_SPEC, dtype=dtype)
     else:
         from diffusers import DiffusionPipeline
 
@@ -251,15 +251,15 @@ def _load_pipeline(args, kind, device, dtype):
 
 def _call_kwargs(args, kind, tiny: bool):
     import torch
-    from lite_boost.demo import DEMO_NEGATIVE_PROMPT, DEMO_PROMPT
+    from lite_boost.demo import DEMO_NEGATIVE_PROMPT, DEMO_PROMPT, DEMO_SHAPE, DEMO_STEPS
 
     kw = dict(
         prompt=args.prompt or DEMO_PROMPT,
         negative_prompt=args.negative_prompt if args.negative_prompt is not None else DEMO_NEGATIVE_PROMPT,
-        height=args.height or (64 if tiny else 480),
-        width=args.width or (96 if tiny else 832),
-        num_frames=args.num_frames or (9 if tiny else 81),
-        num_inference_steps=args.steps or (4 if tiny else 50),
+        height=args.height or (DEMO_SHAPE[0] if tiny else 480),
+        width=args.width or (DEMO_SHAPE[1] if tiny else 832),
+        num_frames=args.num_frames or (DEMO_SHAPE[2] if tiny else 81),
+        num_inference_steps=args.steps or (DEMO_STEPS if tiny else 50),
         guidance_scale=args.guidance_scale,
         output_type="np",
     )

@@ -6,7 +6,8 @@ The rf_v2 path, per call:
    (t, h, w) latent grid (see :mod:`._sparse_layout`; text tokens move behind the video);
 2. score block pairs in fp32 (``selector``): ``"reference"`` = RainFusion 2.0's mean-pooled Q/K
    logits; ``"subblock"`` (default) = estimated attention mass from several sub-block
-   representatives per block with a key-variance correction (see :mod:`._sparse_mask`);
+   representatives per block, outlying keys kept apart, a key-variance correction (see
+   :mod:`._sparse_mask`);
 3. per batch element and head, keep the top ``ceil((1 - sparsity) * kv_blocks)`` KV blocks per
    query block by score (ties never over-select), then add the forced blocks: blocks holding text
    or, with ``keep_sink``, first-frame tokens are forced on in both directions (every query

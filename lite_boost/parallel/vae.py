@@ -155,7 +155,8 @@ class VAEAdapter:
 
     decode_method = "_decode"  # instance method wrapped for decode (called per batch slice)
     encode_method = "_encode"
-    default_overlap = 1
+    default_overlap = 1  # chunked-mode warm-up latent frames when the config leaves it None (decode)
+    default_encode_overlap = 1  # the same for encode
 
     def __init__(self, vae):
         self.vae = vae
@@ -538,8 +539,8 @@ class ParallelVAE:
             raise ConfigError(f"vae_parallel must be one of ['exact', 'chunked'] to install, got {mode!r}")
         if gather not in VAE_GATHER:
             raise ConfigError(f"vae_gather must be one of {list(VAE_GATHER)}, got {gather!r}")
-        overlap = adapter.default_overlap if overlap is None else overlap
-        _check_pos_int("vae_overlap", overlap)
+        if overlap is not None:
+            _check_pos_int("vae_overlap", overlap)
         if chunk_size is not None:
             _check_pos_int("vae_chunk_size", chunk_size)
         self.vae = vae
@@ -554,6 +555,12 @@ class ParallelVAE:
         self.previous: dict[str, Any] = {}
         self.last_plan: ChunkPlan | None = None
         self.calls = {"decode": 0, "encode": 0}
+
+    def overlap_for(self, kind: str) -> int:
+        """The warm-up of ``kind`` ("decode" / "encode"): the configured overlap or the adapter's default."""
+        if self.overlap is not None:
+            return self.overlap
+        return self.adapter.default_overlap if kind == "decode" else self.adapter.default_encode_overlap
 
     def __repr__(self) -> str:
         return (f"ParallelVAE(mode={self.mode!r}, overlap={self.overlap}, chunk_size={self.chunk_size}, "
@@ -602,7 +609,7 @@ class ParallelVAE:
     def _chunked(self, kind, inner, inp, *args, **kwargs):
         ad, comm = self.adapter, self.comm
         n = ad.num_units(inp, kind)
-        plan = plan_chunks(n, comm.size, overlap=self.overlap, chunk_size=self.chunk_size)
+        plan = plan_chunks(n, comm.size, overlap=self.overlap_for(kind), chunk_size=self.chunk_size)
         self.last_plan = plan
         full_shape = ad.out_shape(inp, kind)
         frames = {c.index: ad.out_frames(c.start, c.stop, kind) for c in plan.chunks}

@@ -20,7 +20,7 @@ from lite_boost.parallel.vae import UnsupportedVAEError, plan_chunks, split_rows
 
 TOL = 1e-5
 # The README's seam-study claim at the default overlap (trained small VAE, 2 ranks): see README.
-SEAM_PSNR_DB = 25.0
+SEAM_PSNR_DB = 20.0
 HAS_TRAINED = os.path.exists(os.path.join(cases.DATA, "diffusion_pytorch_model.safetensors"))
 
 

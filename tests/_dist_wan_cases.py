@@ -98,6 +98,7 @@ def run_cases(rank, world_size, init_method, names):
     import lite_boost
     from lite_boost.demo import tiny_wan_pipeline
     from lite_boost.parallel import ParallelManager, initialize_usp
+    from lite_boost.parallel.comm import head_split
 
     mesh_cache = {}
     out = {}
@@ -142,6 +143,9 @@ def run_cases(rank, world_size, init_method, names):
         out[name] = {
             "sparse_ref": sparse_paths(ref_pipe),
             "sparse_par": sparse_paths(pipe),
+            # heads this rank attends under Ulysses (the sparse stats average over these heads only)
+            "local_heads": head_split(heads, mesh_cache[cfg_degree].sequence_degree)[
+                mesh_cache[cfg_degree].sequence_rank],
             "maxdiff": (got - ref).abs().max().item() if got.shape == ref.shape else math.inf,
             "ref_abs": ref.abs().max().item(),
             "calls": dict(stats.calls),

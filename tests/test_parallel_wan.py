@@ -32,6 +32,19 @@ def _results(world):
     return _RESULTS[world]
 
 
+def _check_sparse_stats(world, name):
+    """The parallel run skipped exactly what the single-process run skipped.
+
+    Each rank reports the mean effective sparsity over the heads it attends (the selector may keep a
+    different number of blocks per head), so the ranks' figures weighted by their head counts must
+    equal the single-process figure over all heads (both CFG branches have the same head count).
+    """
+    results = [res[name] for res in _results(world)]
+    weights = [r["local_heads"] for r in results]
+    merged = sum(w * r["sparse_par"]["effective"] for w, r in zip(weights, results)) / sum(weights)
+    assert merged == pytest.approx(results[0]["sparse_ref"]["effective"]), (weights, results)
+
+
 def _check(world, name):
     if name in cases.TRANSFORMER_CASES:
         for rank, res in enumerate(_results(world)):
@@ -55,9 +68,8 @@ def _check(world, name):
             # the same attention path ran on the reference and on the parallel run (sparsity 0 is
             # served dense by sparse_attention itself; 0.8 really skips blocks)
             assert r["sparse_ref"]["paths"] == r["sparse_par"]["paths"] == (["sparse"] if sparsity else ["dense"]), r
-            assert r["sparse_par"]["effective"] == pytest.approx(r["sparse_ref"]["effective"])
-            if sparsity > 0:
-                assert r["sparse_par"]["effective"] > 0.3, r
+            if sparsity > 0:  # forced first-frame/diagonal blocks come on top of the top-k (reference rule)
+                assert r["sparse_par"]["effective"] > 0.2, r
         seq = world // cfg_degree
         if seq > 1:
             # one packed exchange each way per self-attention, one gather per transformer call
@@ -65,6 +77,8 @@ def _check(world, name):
             assert calls["qkv_to_heads"] == calls["heads_to_seq"]
             per_call_layers = calls["qkv_to_heads"] / calls["gather"]
             assert per_call_layers == r["layers"] / (2 if two_stage else 1)
+    if sparsity is not None:
+        _check_sparse_stats(world, name)
 
 
 @pytest.mark.parametrize("name", CASES_2)

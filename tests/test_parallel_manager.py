@@ -74,8 +74,10 @@ def test_bad_degrees_fail_before_any_collective(monkeypatch):
         ParallelManager(pipe, {"parallel": {"cfg_degree": 2, "sequence_degree": 3}})
     with pytest.raises(ConfigError, match="cfg_degree must be one of"):
         ParallelManager(pipe, {"parallel": {"cfg_degree": 4}})
-    with pytest.raises(ConfigError, match="vae_parallel"):
-        ParallelManager(pipe, {"parallel": {"vae_parallel": True}})
+    with pytest.raises(ConfigError, match=r"vae_parallel must be one of \[None, 'exact', 'chunked', 'off'\]"):
+        ParallelManager(pipe, {"parallel": {"vae_parallel": "fast"}})
+    with pytest.raises(ConfigError, match="vae_overlap=0|vae_overlap must be >= 1"):
+        ParallelManager(pipe, {"parallel": {"vae_parallel": "chunked", "vae_overlap": 0}})
     with pytest.raises(ConfigError, match="unknown ParallelConfig key"):
         ParallelManager(pipe, {"parallel": {"ulysses_degree": 2}})
     assert not lite_boost.api.is_boosted(pipe)  # nothing was touched

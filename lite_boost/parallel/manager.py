@@ -251,6 +251,8 @@ def _check_vae(target, config: BoostConfig, mesh: ParallelMesh | None):
     if vae is None or mode == "off":
         return None
     if mesh is not None:
+        if not isinstance(mesh, ParallelMesh):
+            return None  # ParallelManager rejects the mesh argument itself
         world = mesh.world_size
     elif torch.distributed.is_available() and torch.distributed.is_initialized():
         world = torch.distributed.get_world_size()

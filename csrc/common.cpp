@@ -82,10 +82,8 @@ std::optional<std::vector<int64_t>> check_lengths(const char* name, at::Optional
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-}  // namespace
-
-void check_rain_fusion_shapes(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                              c10::string_view q_input_layout, c10::string_view kv_input_layout) {
+// query / key / value: floating dtypes (float32, float16, bfloat16), one dtype, one device.
+void check_qkv(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value) {
   const std::pair<const char*, const at::Tensor*> qkv[] = {{"query", &query}, {"key", &key}, {"value", &value}};
   for (const auto& [name, t] : qkv) {
     TORCH_CHECK_TYPE(is_float_dtype(t->scalar_type()), name, " dtype must be one of float32, float16, bfloat16, got ",
@@ -97,6 +95,24 @@ void check_rain_fusion_shapes(const at::Tensor& query, const at::Tensor& key, co
   TORCH_CHECK_VALUE(query.device() == key.device() && key.device() == value.device(),
                     "query, key and value must be on one device, got ", query.device(), ", ", key.device(), ", ",
                     value.device());
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> empty_rain_fusion_outputs(const at::Tensor& query, const at::Tensor& value,
+                                                             bool return_lse) {
+  auto sizes = query.sym_sizes().vec();
+  sizes.back() = value.sym_sizes().back();
+  at::Tensor out = at::empty_symint(sizes, query.options());
+  if (!return_lse) return {out, at::empty({0}, query.options().dtype(at::kFloat))};
+  auto lse_sizes = query.sym_sizes().vec();
+  lse_sizes.pop_back();
+  return {out, at::empty_symint(lse_sizes, query.options().dtype(at::kFloat))};
+}
+
+void check_rain_fusion_shapes(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                              c10::string_view q_input_layout, c10::string_view kv_input_layout) {
+  check_qkv(query, key, value);
   const std::string ql = check_layout("q_input_layout", q_input_layout);
   const std::string kl = check_layout("kv_input_layout", kv_input_layout);
   const int64_t qr = ql == "TND" ? 3 : 4, kr = kl == "TND" ? 3 : 4;
@@ -263,17 +279,7 @@ PfaProblem validate_pfa(const at::Tensor& query, const at::Tensor& key, const at
                         at::OptionalIntArrayRef actual_seq_lengths, int64_t num_heads, double scale_value,
                         int64_t pre_tokens, int64_t next_tokens, c10::string_view input_layout,
                         int64_t num_key_value_heads, at::OptionalIntArrayRef actual_seq_lengths_kv) {
-  const std::pair<const char*, const at::Tensor*> qkv[] = {{"query", &query}, {"key", &key}, {"value", &value}};
-  for (const auto& [name, t] : qkv) {
-    TORCH_CHECK_TYPE(is_float_dtype(t->scalar_type()), name, " dtype must be one of float32, float16, bfloat16, got ",
-                     dtype_name(t->scalar_type()));
-  }
-  TORCH_CHECK_TYPE(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
-                   "query, key and value must share one dtype, got ", dtype_name(query.scalar_type()), ", ",
-                   dtype_name(key.scalar_type()), ", ", dtype_name(value.scalar_type()));
-  TORCH_CHECK_VALUE(query.device() == key.device() && key.device() == value.device(),
-                    "query, key and value must be on one device, got ", query.device(), ", ", key.device(), ", ",
-                    value.device());
+  check_qkv(query, key, value);
   PfaProblem p;
   p.layout = check_pfa_layout(input_layout);
   const int64_t rank = p.layout == "BSH" ? 3 : 4;

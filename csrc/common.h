@@ -30,6 +30,12 @@ struct RainFusionProblem {
 };
 
 // Layout, rank, dtype and head checks that need no tensor data (safe on Meta / fake tensors).
+// Uninitialised outputs of rain_fusion_attention: the query's shape with the value head dim, and the
+// fp32 softmax_lse shaped like the query without its last axis (an empty [0] tensor unless return_lse).
+// Symbolic sizes, so the Meta kernel and the device kernels share it.
+std::tuple<at::Tensor, at::Tensor> empty_rain_fusion_outputs(const at::Tensor& query, const at::Tensor& value,
+                                                             bool return_lse);
+
 void check_rain_fusion_shapes(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                               c10::string_view q_input_layout, c10::string_view kv_input_layout);
 

@@ -22,18 +22,7 @@ std::tuple<at::Tensor, at::Tensor> rain_fusion_attention_meta(
     c10::string_view kv_input_layout, std::optional<int64_t> num_key_value_heads, int64_t mask_type,
     std::optional<double> scale_value, int64_t inner_precise, int64_t block_size, bool return_lse) {
   check_rain_fusion_shapes(query, key, value, q_input_layout, kv_input_layout);
-  auto sizes = query.sym_sizes().vec();
-  sizes.back() = value.sym_sizes().back();
-  at::Tensor out = at::empty_symint(sizes, query.options());
-  at::Tensor lse;
-  if (return_lse) {
-    auto lsizes = query.sym_sizes().vec();
-    lsizes.pop_back();
-    lse = at::empty_symint(lsizes, query.options().dtype(at::kFloat));
-  } else {
-    lse = at::empty({0}, query.options().dtype(at::kFloat));
-  }
-  return {out, lse};
+  return empty_rain_fusion_outputs(query, value, return_lse);
 }
 
 at::Tensor prompt_flash_attention_meta(

@@ -341,17 +341,8 @@ std::tuple<at::Tensor, at::Tensor> rain_fusion_attention_cpu(
   const at::Tensor q = last_dim_unit(query), k = last_dim_unit(key), v = last_dim_unit(value);
   const at::Tensor idx = select_idx.to(at::kLong).contiguous();
   const at::Tensor num = select_num_idx.to(at::kLong).contiguous();
-  auto out_sizes = query.sizes().vec();
-  out_sizes.back() = value.size(-1);
-  at::Tensor out = at::empty(out_sizes, query.options());
-  at::Tensor lse;
-  if (return_lse) {
-    auto ls = query.sizes().vec();
-    ls.pop_back();
-    lse = at::empty(ls, query.options().dtype(at::kFloat));
-  } else {
-    lse = at::empty({0}, query.options().dtype(at::kFloat));
-  }
+  at::Tensor out, lse;
+  std::tie(out, lse) = empty_rain_fusion_outputs(query, value, return_lse);
   if (out.numel() == 0) return {out, lse};
   if (idx.size(2) == 0) {  // no row selects anything
     out.zero_();

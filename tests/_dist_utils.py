@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -91,3 +92,16 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, threads: int =
         if errors:
             raise AssertionError("distributed test failed:\n" + "\n".join(errors))
         return results
+
+
+def launch_fault_workers(worker: str, mode: str, world: int, faulty: int, timeout_s: float):
+    """Start ``world`` torchrun-style processes of the script ``worker`` (rank env, a free port, one
+    thread each) with arguments ``mode faulty timeout_s``; output captured. Returns the Popen list."""
+    port = free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+        procs.append(subprocess.Popen([sys.executable, worker, mode, str(faulty), str(timeout_s)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs

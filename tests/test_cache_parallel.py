@@ -9,13 +9,12 @@ Uneven shards (45 tokens on 2 ranks, 20 on 3) check that padding never enters th
 
 import os
 import subprocess
-import sys
 import time
 
 import pytest
 
 import _dist_cache_cases as cases
-from _dist_utils import HERE, ROOT, free_port, run_ranks
+from _dist_utils import HERE, launch_fault_workers, run_ranks
 
 TOL = 1e-5
 WORLD_CASES = {
@@ -85,13 +84,7 @@ TIMEOUT_S = 4.0
 @pytest.mark.parametrize("mode", ["raise", "die", "hang"])
 def test_failing_rank_during_a_cached_run_ends_all_ranks(mode):
     world, faulty = 2, 1
-    port = free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-        procs.append(subprocess.Popen([sys.executable, WORKER, mode, str(faulty), str(TIMEOUT_S)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    procs = launch_fault_workers(WORKER, mode, world, faulty, TIMEOUT_S)
     try:
         start = time.monotonic()
         try:  # start-up (imports, rendezvous) + the collective timeout + slack on a loaded machine

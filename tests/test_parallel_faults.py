@@ -8,7 +8,6 @@ can end a healthy rank (no supervisor kills it).
 
 import os
 import subprocess
-import sys
 import time
 
 import pytest
@@ -17,21 +16,14 @@ import torch.distributed as dist
 from lite_boost.config import ConfigError, ParallelConfig
 from lite_boost.parallel import init_mesh
 
-from _dist_utils import HERE, ROOT, free_port
+from _dist_utils import HERE, launch_fault_workers
 
 WORKER = os.path.join(HERE, "_dist_fault_worker.py")
 TIMEOUT_S = 4.0
 
 
 def _launch(mode, world, faulty):
-    port = free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-        procs.append(subprocess.Popen([sys.executable, WORKER, mode, str(faulty), str(TIMEOUT_S)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    return procs
+    return launch_fault_workers(WORKER, mode, world, faulty, TIMEOUT_S)
 
 
 def _wait(procs, ranks, limit):

@@ -33,15 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", default=None)
     gen.add_argument("--negative-prompt", default=None)
     gen.add_argument("--height", type=int, default=None, help="default 480 for --model, 192 for the tiny model")
-    gen.add_argument("--width", type=int, default=None, help="default 832 for --model, 320 for the tiny model")
-    gen.add_argument("--num-frames", type=int, default=None, help="4k+1 frames (default 81 / 17)")
+    gen.add_argument("--width", type=int, default=None, help="default 832 for --model, 256 for the tiny model")
+    gen.add_argument("--num-frames", type=int, default=None, help="4k+1 frames (default 81 / 25)")
     gen.add_argument("--steps", type=int, default=None, help="denoising steps (default 50 / 10)")
     gen.add_argument("--guidance-scale", type=float, default=5.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default bfloat16 on GPU/NPU, float32 on CPU")
     gen.add_argument("--device", default=None, help="cpu, cuda, npu (default: the accelerator if present)")
     gen.add_argument("--attention-backend", default=None, choices=["fa3", "fa2", "npu", "sdpa"])
-    gen.add_argument("--sparsity", type=float, default=0.0, help="block-sparse self-attention sparsity in [0, 1)")
+    gen.add_argument("--sparsity", type=float, default=None,
+                     help="block-sparse self-attention sparsity in [0, 1); 0 = dense (default 0 for --model, "
+                          "0.8 for the tiny model, whose main job shows block-sparse attention)")
     gen.add_argument("--cache", default=None, metavar="METHOD[:PARAM=VALUE,...]",
                      help="step caching with a diffusers cache hook: first_block_cache, mag_cache, taylorseer_cache, "
                           "pyramid_attention_broadcast or sea_cache, e.g. first_block_cache:threshold=0.1 "
@@ -188,7 +190,7 @@ def _validate_generate(args) -> None:
 
     if args.nproc < 1:
         bad("--nproc", args.nproc, "a positive integer")
-    if not 0.0 <= args.sparsity < 1.0:
+    if args.sparsity is not None and not 0.0 <= args.sparsity < 1.0:
         bad("--sparsity", args.sparsity, "in [0, 1)")
     for name in ("height", "width"):
         v = getattr(args, name)
@@ -220,12 +222,23 @@ def _validate_generate(args) -> None:
             raise SystemExit(f"lite-boost generate: --cache: {exc}") from None
 
 
+def _sparsity(args) -> float:
+    """--sparsity, or its default: 0 (dense) with --model, DEMO_SPARSITY for the built-in tiny model."""
+    if args.sparsity is not None:
+        return args.sparsity
+    if getattr(args, "model", None) is None:
+        from lite_boost.demo import DEMO_SPARSITY
+
+        return DEMO_SPARSITY
+    return 0.0
+
+
 def _boost_config(args):
     from lite_boost.config import BoostConfig, CacheConfig, ParallelConfig, SparseConfig
 
     if args.config:
         return BoostConfig.from_yaml(args.config)
-    sparse = SparseConfig(sparsity=args.sparsity) if args.sparsity > 0 else None
+    sparse = SparseConfig(sparsity=_sparsity(args)) if _sparsity(args) > 0 else None
     parallel = ParallelConfig(sequence_degree=args.sequence_degree, cfg_degree=args.cfg_degree,
                               vae_parallel=getattr(args, "vae_parallel", None), vae_overlap=getattr(args, "vae_overlap", None))
     cache = CacheConfig.parse(args.cache) if args.cache else None
@@ -236,9 +249,9 @@ def _load_pipeline(args, kind, device, dtype):
     import torch
 
     if args.model is None:
-        from lite_boost.demo import DEMO_SPEC, tiny_wan_pipeline
+        from lite_boost.demo import DEMO_SPEC, DEMO_VAE_BASE_DIM, tiny_wan_pipeline
 
-        pipe = tiny_wan_pipeline(kind, spec=DEMO_SPEC, dtype=dtype)
+        pipe = tiny_wan_pipeline(kind, spec=DEMO_SPEC, dtype=dtype, vae_base_dim=DEMO_VAE_BASE_DIM)
     else:
         from diffusers import DiffusionPipeline
 
@@ -289,6 +302,35 @@ def _run(pipe, kw, device_type, warmup: int = 0, counter=None):
     with torch.inference_mode(), PhaseTimer(pipe, device_type) as timer, (counter or contextlib.nullcontext()):
         frames = pipe(**kw, callback_on_step_end=timer.callback).frames
     return frames, timer.times
+
+
+def _demo_model_line(pipe, kw) -> str:
+    """What the built-in model is: random weights, its transformer and tokens, the small VAE."""
+    cfg = pipe.transformer.config
+    p_t, p_h, p_w = cfg.patch_size
+    grid = ((kw["num_frames"] - 1) // 4 + 1) // p_t, kw["height"] // 8 // p_h, kw["width"] // 8 // p_w
+    return (f"  model: random weights; transformer {cfg.num_layers} layers x {cfg.num_attention_heads} heads x "
+            f"{cfg.attention_head_dim}, patch {p_t}x{p_h}x{p_w}, {grid[0]} x {grid[1]} x {grid[2]} = "
+            f"{grid[0] * grid[1] * grid[2]:,} tokens; VAE only {pipe.vae.config.base_dim} channels wide (the "
+            "VAE is not what this job demonstrates, so it is kept small enough not to outweigh the denoising loop)")
+
+
+def video_psnr(frames, ref) -> tuple[float, float, float]:
+    """PSNR (dB) of ``frames`` against ``ref`` with the reference video's value range as the peak.
+
+    Returns (psnr, peak, max abs diff). The tiny random-weight VAE does not span [0, 1], so a peak of 1
+    would flatter the figure; inf when the videos are identical.
+    """
+    import math
+
+    import numpy as np
+
+    x, r = np.asarray(frames, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    peak = float(r.max() - r.min())
+    mse = float(((x - r) ** 2).mean())
+    diff = float(np.abs(x - r).max())
+    psnr = math.inf if mse == 0 else (10 * math.log10(peak * peak / mse) if peak > 0 else -math.inf)
+    return psnr, peak, diff
 
 
 def _transformers(pipe) -> list:
@@ -359,7 +401,6 @@ def generate(args, argv: list[str]) -> int:
         print("launching:", " ".join(cmd), flush=True)
         return subprocess.call(cmd)
 
-    import numpy as np
     import torch
 
     import lite_boost
@@ -390,6 +431,8 @@ def generate(args, argv: list[str]) -> int:
     say(f"lite-boost generate: {kind}, {'tiny built-in Wan' if args.model is None else args.model}, "
         f"{kw['height']}x{kw['width']}, {kw['num_frames']} frames, {kw['num_inference_steps']} steps, "
         f"{device}, {dtype_name}, {world} process(es)")
+    if args.model is None:
+        say(_demo_model_line(pipe, kw))
 
     rows = {}
     stock_frames = None
@@ -420,9 +463,11 @@ def generate(args, argv: list[str]) -> int:
     untouched = ("text encode",) + (() if vae_parallel else ("VAE decode",))
     print(format_timing_table(rows, untouched=untouched))
     if stock_frames is not None:
-        diff = float(np.abs(np.asarray(frames, dtype=np.float64) - np.asarray(stock_frames, dtype=np.float64)).max())
+        psnr, peak, diff = video_psnr(frames, stock_frames)
         print(f"\nmax |boosted - stock| over the video (values in [0, 1]): {diff:.2e}"
               + (" (step caching and sparsity approximate by design)" if config.cache or config.sparse else ""))
+        print(f"video PSNR boosted vs stock: {'inf' if psnr == float('inf') else f'{psnr:.1f}'} dB "
+              f"(peak = the stock video's value range, {peak:.3f})")
     print("\napplied:")
     for line in applied_summary(pipe, config, work, device, dtype):
         print(f"- {line}")

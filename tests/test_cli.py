@@ -17,7 +17,7 @@ def test_env_lists_backends(capsys):
 @pytest.mark.parametrize("image", [False, True])
 def test_generate_tiny_default_writes_video_and_timing(tmp_path, capsys, image):
     args = ["generate", "--steps", "2", "--height", "32", "--width", "48", "--num-frames", "5", "--warmup", "0",
-            "--output", str(tmp_path / "video.mp4")]
+            "--sparsity", "0", "--output", str(tmp_path / "video.mp4")]
     if image:
         from PIL import Image
 
@@ -30,7 +30,34 @@ def test_generate_tiny_default_writes_video_and_timing(tmp_path, capsys, image):
     for row in ("text encode", "denoise per step", "VAE decode", "| total |"):
         assert row in out
     diff = float(re.search(r"max \|boosted - stock\| over the video \(values in \[0, 1\]\): (\S+)", out).group(1))
-    assert diff <= 1e-5  # the boosted video equals the stock one
+    assert diff <= 1e-5  # the dense boosted video equals the stock one
+    assert float(re.search(r"video PSNR boosted vs stock: (\S+) dB", out).group(1)) > 100
+    assert "- self-attention: dense" in out and "VAE only 2 channels wide" in out
+
+
+def test_generate_default_sparsity_is_the_demo_models_only():
+    from lite_boost.cli import _boost_config, build_parser
+    from lite_boost.demo import DEMO_SPARSITY
+
+    parser = build_parser()
+    assert _boost_config(parser.parse_args(["generate"])).sparse.sparsity == DEMO_SPARSITY == 0.8
+    assert _boost_config(parser.parse_args(["generate", "--sparsity", "0"])).sparse is None
+    assert _boost_config(parser.parse_args(["generate", "--model", "/m"])).sparse is None  # a real model: dense
+    assert _boost_config(parser.parse_args(["generate", "--model", "/m", "--sparsity", "0.5"])).sparse.sparsity == 0.5
+
+
+def test_video_psnr_uses_the_reference_range_as_peak():
+    from lite_boost.cli import video_psnr
+
+    rng = np.random.RandomState(0)
+    ref = 0.4 + 0.2 * rng.rand(2, 3, 8, 8, 3)  # range ~0.2, not [0, 1]
+    noisy = ref + 1e-3 * rng.randn(*ref.shape)
+    peak = ref.max() - ref.min()
+    expected = 10 * np.log10(peak**2 / np.mean((noisy - ref) ** 2))
+    got, got_peak, diff = video_psnr(noisy, ref)
+    assert abs(got - expected) < 1e-9 and abs(got_peak - peak) < 1e-12
+    assert diff == np.abs(noisy - ref).max()
+    assert video_psnr(ref, ref)[0] == float("inf")
 
 
 @pytest.mark.parametrize(

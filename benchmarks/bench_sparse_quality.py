@@ -227,19 +227,27 @@ class _NoKernel:
 
 def match_density(q, k, grid, window, block, target_eff, heads, selector, budget="reference"):
     """Largest kept density of ``selector`` not above 1 - target_eff (never more compute than the
-    baseline): returns the sparsity to use. Steps one block per row at a time."""
+    baseline): returns the sparsity to use, or None. Bisection over the blocks kept per row (the
+    kept set only grows with it: top-k by a stable sort plus fixed forced blocks)."""
     nkb = -(-q.shape[2] // block)
-    best = None
+
+    def spars(keep):
+        return 1.0 - (keep - 0.5) / nkb  # ceil((1 - spars) * nkb) == keep
+
+    def fits(keep):
+        _, st = sparse_attention(q, k, q, head_num=heads, sparse_type="rf_v2", block_size=block,
+                                 latent_shape_q=grid, sparsity=spars(keep), window=window, return_stats=True,
+                                 selector=selector, budget=budget)
+        return st.effective_sparsity + 1e-12 >= target_eff
+
     with _NoKernel():
-        for keep in range(1, nkb + 1):
-            spars = 1.0 - (keep - 0.5) / nkb  # ceil((1 - spars) * nkb) == keep
-            _, st = sparse_attention(q, k, q, head_num=heads, sparse_type="rf_v2", block_size=block,
-                                     latent_shape_q=grid, sparsity=spars, window=window, return_stats=True,
-                                     selector=selector, budget=budget)
-            if st.effective_sparsity + 1e-12 < target_eff:
-                break
-            best = spars
-    return best
+        if not fits(1):
+            return None
+        lo, hi = 1, nkb - 1  # fits(lo); keep = nkb would be the dense path
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return spars(lo)
 
 
 def compare_selectors(grid, heads, d, seeds, generators, temperatures, sparsity=0.8, block=128, window=None):

@@ -24,8 +24,8 @@ from lite_boost.ops._sparse_layout import token_order
 from lite_boost.ops._sparse_mask import block_scores, forced_blocks, select_blocks
 from lite_boost.ops.sparse import DEFAULT_SELECTOR_REPS
 
-SELECTORS = [("reference (mean pooling)", "reference", None), ("subblock (16, 8), default", "subblock", (16, 8)),
-             ("subblock (8, 16)", "subblock", (8, 16)), ("subblock (32, 8)", "subblock", (32, 8))]
+SELECTORS = [("reference (mean pooling)", "reference", None), ("subblock (32, 8), default", "subblock", (32, 8)),
+             ("subblock (16, 8)", "subblock", (16, 8)), ("subblock (32, 16)", "subblock", (32, 16))]
 
 
 def build_mask(q, k, grid, block, selector, reps, sparsity=0.8):

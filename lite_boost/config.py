@@ -118,7 +118,7 @@ class SparseConfig(_ConfigMixin):
     selector: how blocks are scored: "subblock" (estimated attention mass from sub-block
         representatives, the default) or "reference" (RainFusion 2.0 mean-pooled Q/K scores).
     selector_reps: (q_reps, k_reps) representatives per query / key block for "subblock", each in
-        [1, block_size]; None = (16, 8) capped at block_size.
+        [1, block_size]; None = (32, 8) capped at block_size.
     """
 
     sparse_type: str | None = "rf_v2"

@@ -6,14 +6,18 @@ so every rank that sees the same tensors builds the same mask:
 * ``"reference"``: RainFusion 2.0 / MindSpore Lite: mean-pool Q and K per block and rank KV blocks
   by the pooled logit (the pooled softmax is monotone per row, so this is its order).
 * ``"subblock"``: estimated attention mass. Each query block is summarised by ``q_reps`` sub-block
-  means and each key block by ``k_reps`` sub-block means plus their per-channel variance, with the
-  4 keys farthest from their sub-block mean taken out as representatives of their own (so that a
-  few outstanding keys, e.g. attention sinks, are not averaged away); a softmax
-  over all key representatives (each weighted by its token count and corrected by the Gaussian
-  term ``0.5 * scale^2 * sum_d q_d^2 var_d``) estimates, per query representative, the share of
-  its attention that falls into each key block; the shares of a query block's representatives are
-  summed (weighted by their token counts). Mean pooling of a whole block averages away the keys a
-  query actually attends to; several representatives and the variance term keep them.
+  means and each key block by ``k_reps`` sub-block means plus their variance (mean over channels),
+  with the 4 keys farthest from their sub-block mean taken out as representatives of their own (so
+  that a few outstanding keys, e.g. attention sinks, are not averaged away); a softmax over all key
+  representatives (each weighted by its token count and corrected by the isotropic Gaussian term
+  ``0.5 * scale^2 * |q|^2 * var``) estimates, per query representative, the share of its attention
+  that falls into each key block; the shares of a query block's representatives are summed
+  (weighted by their token counts). Mean pooling of a whole block averages away the keys a query
+  actually attends to; several representatives and the variance term keep them.
+
+  Cost: one (Sq * q_reps / block) x (Skv * (k_reps + 4) / block) product of width D + 2 and its
+  softmax, computed in chunks of query blocks (bounded buffers, ``_CHUNK_ELEMS``); the key summary
+  streams over the keys in bounded chunks too and never materialises an S x D fp32 copy.
 
 Budget (``budget``):
 
@@ -32,7 +36,7 @@ import math
 
 import torch
 
-__all__ = ["pool_blocks", "sub_block_stats", "block_scores", "select_blocks", "forced_blocks", "SELECTORS",
+__all__ = ["pool_blocks", "query_summary", "key_summary", "subblock_scores", "block_scores", "select_blocks", "forced_blocks", "SELECTORS",
            "BUDGETS"]
 
 SELECTORS = ("subblock", "reference")
@@ -52,66 +56,8 @@ def pool_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
 
 
-def sub_block_stats(x: torch.Tensor, block: int, reps: int, variance: bool = False):
-    """Split every block of ``block`` tokens (axis 2 of (B, H, S, D)) into ``reps`` near-equal runs.
-
-    Token p of a block belongs to run ``p * reps // block`` (the last block may be short, so some of
-    its runs may be empty). Returns fp32 (mean (B, H, nb * reps, D), count (nb * reps,), var or None),
-    var the per-channel variance of each run (B, H, nb * reps, D); empty runs have count 0 and mean 0.
-    """
-    b, h, s, d = x.shape
-    reps = min(reps, block)
-    nb = -(-s // block)
-    dev = x.device
-    if block % reps == 0:
-        # runs are plain sub-blocks of block // reps tokens; the short last block has fewer runs
-        sub = block // reps
-        nfull = s // sub
-        tail = s - nfull * sub
-        sums, sqs = [], []
-        if nfull:
-            xs = x[:, :, : nfull * sub].reshape(b, h, nfull, sub, d)
-            sums.append(xs.sum(3, dtype=torch.float32))
-            if variance:
-                sqs.append(xs.to(torch.float32).square().sum(3))
-        if tail:
-            xt = x[:, :, nfull * sub:].to(torch.float32)
-            sums.append(xt.sum(2, keepdim=True))
-            if variance:
-                sqs.append((xt * xt).sum(2, keepdim=True))
-        count = torch.full((nfull + (1 if tail else 0),), float(sub), device=dev)
-        if tail:
-            count[-1] = tail
-        missing = nb * reps - count.numel()
-        total = torch.cat(sums, 2) if len(sums) > 1 else sums[0]
-        sq = (torch.cat(sqs, 2) if len(sqs) > 1 else sqs[0]) if variance else None
-        if missing:
-            count = torch.cat([count, count.new_zeros(missing)])
-            total = torch.nn.functional.pad(total, (0, 0, 0, missing))
-            sq = torch.nn.functional.pad(sq, (0, 0, 0, missing)) if variance else None
-    else:
-        pad = nb * block - s
-        xf = x.to(torch.float32)
-        if pad:
-            xf = torch.nn.functional.pad(xf, (0, 0, 0, pad))
-        run = torch.arange(block, device=dev) * reps // block  # (block,)
-        onehot = (run[None, :] == torch.arange(reps, device=dev)[:, None]).to(torch.float32)  # (reps, block)
-        valid = torch.ones(nb * block, device=dev)
-        if pad:
-            valid[s:] = 0
-        count = (valid.view(nb, 1, block) * onehot).sum(-1).reshape(nb * reps)
-        xb = xf.view(b, h, nb, block, d)
-        total = torch.matmul(onehot, xb).reshape(b, h, nb * reps, d)
-        sq = torch.matmul(onehot, xb * xb).reshape(b, h, nb * reps, d) if variance else None
-    denom = count.clamp_min(1).view(1, 1, -1, 1)
-    mean = total / denom
-    var = (sq / denom - mean * mean).clamp_min_(0) if variance else None
-    return mean, count, var
-
-
 def block_scores(q: torch.Tensor, k: torch.Tensor, block: int, scale: float, selector: str = "reference",
-                 q_reps: int = 16, k_reps: int = 8, variance: bool = True, max_elems: int = 1 << 24,
-                 k_outliers: int = 4):
+                 q_reps: int = 16, k_reps: int = 8, variance: bool = True, k_outliers: int = 4):
     """Score every (query block, key block) pair of reordered q (B, N1, Sq, D) and k (B, N2, Skv, D).
 
     Returns (score, probs), both fp32 (B, N1, nqb, nkb): ``score`` ranks the key blocks of a row
@@ -128,69 +74,138 @@ def block_scores(q: torch.Tensor, k: torch.Tensor, block: int, scale: float, sel
         return logits, torch.softmax(logits, dim=-1)
     if selector != "subblock":
         raise ValueError(f"selector must be one of {list(SELECTORS)}, got {selector!r}")
-    nqb, nkb = -(-q.shape[2] // block), -(-k.shape[2] // block)
-    qm, qn, _ = sub_block_stats(q, block, q_reps)
-    km, kn, kv = sub_block_stats(k, block, k_reps, variance=variance)
-    rq, rk = qm.shape[2] // nqb, km.shape[2] // nkb
-    log_n = torch.log(kn).view(1, 1, -1, 1).expand(b, n2, -1, 1)
-    if k_outliers:
-        km, log_n, kv, rk = _split_outliers(k, block, km, kn, kv, rk, min(k_outliers, block))
-    # one matmul gives every representative logit: [scale q, q^2, 1] . [k, 0.5 scale^2 var, log n]
-    # (each key representative stands for n tokens; log 0 = -inf for the empty runs of a short block)
-    qa = [qm * scale, qm * qm] if variance else [qm * scale]
-    ka = [km, kv.mul_(0.5 * scale * scale)] if variance else [km]
-    qa = torch.cat(qa + [torch.ones_like(qm[..., :1])], -1)
-    ka = torch.cat(ka + [log_n], -1)
-    if n1 != n2:
-        ka = ka.repeat_interleave(n1 // n2, dim=1)
-    ka_t = ka.transpose(-1, -2)
-    mass = torch.empty(b, n1, nqb * rq, nkb, dtype=torch.float32, device=q.device)
-    chunk = max(1, max_elems // (b * n1 * ka.shape[2]))  # bounds the logits buffer
-    for r0 in range(0, nqb * rq, chunk):
-        logits = torch.matmul(qa[:, :, r0:r0 + chunk], ka_t)
-        logits.sub_(logits.amax(-1, keepdim=True)).exp_()
-        m = logits.view(*logits.shape[:-1], nkb, rk).sum(-1)
-        mass[:, :, r0:r0 + chunk] = m.div_(m.sum(-1, keepdim=True))
-    w = (qn / qn.view(nqb, rq).sum(-1).clamp_min(1).repeat_interleave(rq)).view(1, 1, nqb * rq, 1)
-    probs = mass.mul_(w).view(b, n1, nqb, rq, nkb).sum(3)
+    probs = subblock_scores(q, k, block, scale, q_reps, k_reps, k_outliers, variance)
     return probs, probs
 
 
-def _split_outliers(k, block, km, kn, kv, rk, m):
-    """Take the ``m`` keys of each block farthest from their run mean out of the runs as their own
-    representatives (count 1, variance 0): a few keys that stand out (sinks) are not averaged away."""
+_CHUNK_ELEMS = 1 << 19  # fp32 elements of one working chunk (2 MiB): bounds the scoring buffers
+
+
+def _runs(block: int, reps: int, device):
+    """Token p of a block belongs to run ``p * reps // block``: (run (block,) int64, onehot (reps, block) fp32)."""
+    run = torch.arange(block, device=device) * reps // block
+    onehot = (run[None, :] == torch.arange(reps, device=device)[:, None]).to(torch.float32)
+    return run, onehot
+
+
+def _block_chunks(x: torch.Tensor, block: int, per_block: int):
+    """Yield (j0, xb (B, H, nbc, block, D) fp32, valid (nbc, block) bool) over runs of whole blocks of
+    axis 2 of ``x``, at most ``_CHUNK_ELEMS`` fp32 elements each (the short last block zero-padded)."""
+    b, h, s, d = x.shape
+    nb = -(-s // block)
+    step = max(1, _CHUNK_ELEMS // max(1, b * h * block * per_block))
+    for j0 in range(0, nb, step):
+        j1 = min(nb, j0 + step)
+        xc = x[:, :, j0 * block: min(s, j1 * block)].to(torch.float32)
+        pad = (j1 - j0) * block - xc.shape[2]
+        valid = torch.ones((j1 - j0) * block, dtype=torch.bool, device=x.device)
+        if pad:
+            xc = torch.nn.functional.pad(xc, (0, 0, 0, pad))
+            valid[-pad:] = False
+        yield j0, xc.view(b, h, j1 - j0, block, d), valid.view(j1 - j0, block)
+
+
+def query_summary(q: torch.Tensor, block: int, reps: int, extra: int = 0):
+    """Sub-block means of q (B, H, S, D): (mean (B, H, nb, reps, D + extra), count (nb, reps)), fp32;
+    the ``extra`` trailing columns are left for the caller (uninitialised)."""
+    b, h, s, d = q.shape
+    nb = -(-s // block)
+    run, onehot = _runs(block, reps, q.device)
+    mean = torch.empty(b, h, nb, reps, d + extra, dtype=torch.float32, device=q.device)
+    count = torch.empty(nb, reps, dtype=torch.float32, device=q.device)
+    for j0, xb, valid in _block_chunks(q, block, d):
+        n = valid.to(torch.float32) @ onehot.t()  # (nbc, reps)
+        j1 = j0 + xb.shape[2]
+        mean[:, :, j0:j1, :, :d] = torch.matmul(onehot, xb).div_(n.clamp_min(1)[..., None])
+        count[j0:j1] = n
+    return mean, count
+
+
+def key_summary(k: torch.Tensor, block: int, reps: int, outliers: int, variance: bool):
+    """Key representatives of k (B, H, S, D), per block: ``reps`` sub-block means, then the
+    ``outliers`` keys farthest from their sub-block mean taken out as representatives of their own.
+
+    Returns fp32 (mean (B, H, nb, r, D), count (B, H, nb, r), var (B, H, nb, r) or None) with
+    r = reps + outliers; var = the mean per-channel variance of each representative's keys (0 for
+    the single outlying keys). Works through the keys in bounded chunks of whole blocks.
+    """
     b, h, s, d = k.shape
-    nkb = km.shape[2] // rk
-    pad = nkb * block - s
-    kp = k.to(torch.float32)
-    if pad:
-        kp = torch.nn.functional.pad(kp, (0, 0, 0, pad))
-    kp = kp.view(b, h, nkb, block, d)
-    run = torch.arange(block, device=k.device) * rk // block
-    mean = km.view(b, h, nkb, rk, d)
-    dev = (kp - mean.index_select(3, run)).square_().sum(-1)  # (b, h, nkb, block)
-    if pad:
-        valid = (torch.arange(nkb * block, device=k.device) < s).view(nkb, block)
-        dev = dev.masked_fill(~valid, -1.0)
-    top = torch.sort(dev, dim=-1, descending=True, stable=True).indices[..., :m]  # (b, h, nkb, m)
-    is_tok = (torch.gather(dev, -1, top) >= 0).to(torch.float32)  # padding is never an outlier
-    out = torch.gather(kp, 3, top[..., None].expand(b, h, nkb, m, d))
-    r_of = run[top]  # (b, h, nkb, m)
-    n = kn.view(1, 1, nkb, rk).expand(b, h, nkb, rk).clone()
-    n.scatter_add_(-1, r_of, -is_tok)
-    total = mean * kn.view(1, 1, nkb, rk, 1)
-    total.scatter_add_(3, r_of[..., None].expand(b, h, nkb, m, d), -out * is_tok[..., None])
-    denom = n.clamp_min(1)[..., None]
-    new_mean = total / denom
-    parts_m = [new_mean, out]
-    if kv is not None:
-        sq = (kv.view(b, h, nkb, rk, d) + mean * mean) * kn.view(1, 1, nkb, rk, 1)
-        sq.scatter_add_(3, r_of[..., None].expand(b, h, nkb, m, d), -(out * out) * is_tok[..., None])
-        new_var = (sq / denom - new_mean * new_mean).clamp_min_(0)
-        kv = torch.cat([new_var, torch.zeros_like(out)], 3).view(b, h, nkb * (rk + m), d)
-    km = torch.cat(parts_m, 3).view(b, h, nkb * (rk + m), d)
-    log_n = torch.log(torch.cat([n, is_tok], -1)).view(b, h, nkb * (rk + m), 1)
-    return km, log_n, kv, rk + m
+    nb = -(-s // block)
+    m = min(outliers, block)
+    run, onehot = _runs(block, reps, k.device)
+    r = reps + m
+    mean = torch.empty(b, h, nb, r, d, dtype=torch.float32, device=k.device)
+    count = torch.empty(b, h, nb, r, dtype=torch.float32, device=k.device)
+    var = torch.empty(b, h, nb, r, dtype=torch.float32, device=k.device) if variance else None
+    for j0, xb, valid in _block_chunks(k, block, d):
+        j1 = j0 + xb.shape[2]
+        nbc = j1 - j0
+        n = (valid.to(torch.float32) @ onehot.t()).expand(b, h, nbc, reps)  # tokens per run
+        total = torch.matmul(onehot, xb)  # (b, h, nbc, reps, d) run sums
+        sq = torch.linalg.vector_norm(xb, dim=-1).square_()  # (b, h, nbc, block) |k|^2
+        if m:
+            mu = total / n.clamp_min(1)[..., None]
+            # |k - mu_run|^2 = |k|^2 - 2 k.mu_run + |mu_run|^2, without a (block x d) temporary
+            dot = torch.matmul(xb, mu.transpose(-1, -2))  # (b, h, nbc, block, reps)
+            idx = run.view(1, 1, 1, block, 1).expand(b, h, nbc, block, 1)
+            dev = sq - 2 * dot.gather(-1, idx)[..., 0] + mu.square().sum(-1).index_select(-1, run)
+            dev = dev.masked_fill(~valid, -math.inf)
+            top = torch.topk(dev, m, dim=-1, sorted=True).indices  # (b, h, nbc, m)
+            is_tok = valid.expand(b, h, nbc, block).gather(-1, top).to(torch.float32)  # padding is never one
+            out = torch.gather(xb, 3, top[..., None].expand(b, h, nbc, m, d))
+            r_of = run[top]
+            n = n.clone().scatter_add_(-1, r_of, -is_tok)
+            total.scatter_add_(3, r_of[..., None].expand(b, h, nbc, m, d), -out * is_tok[..., None])
+        denom = n.clamp_min(1)
+        mean[:, :, j0:j1, :reps] = total.div_(denom[..., None])
+        count[:, :, j0:j1, :reps] = n
+        if variance:
+            ssq = torch.matmul(sq, onehot.t())  # (b, h, nbc, reps) run sums of |k|^2
+            if m:
+                ssq.scatter_add_(-1, r_of, -sq.gather(-1, top) * is_tok)
+            v_ = (ssq / denom - mean[:, :, j0:j1, :reps].square().sum(-1)).clamp_min_(0).div_(d)
+            var[:, :, j0:j1, :reps] = v_
+            var[:, :, j0:j1, reps:] = 0
+        if m:
+            mean[:, :, j0:j1, reps:] = out
+            count[:, :, j0:j1, reps:] = is_tok
+    return mean, count, var
+
+
+def subblock_scores(q, k, block, scale, q_reps, k_reps, k_outliers=4, variance=True):
+    """The "subblock" estimate of each query block's attention distribution over key blocks:
+    (B, N1, nqb, nkb) fp32, rows sum to 1. See the module docstring."""
+    b, n1, sq_, d = q.shape
+    n2 = k.shape[1]
+    q_reps, k_reps = min(q_reps, block), min(k_reps, block)
+    nqb, nkb = -(-sq_ // block), -(-k.shape[2] // block)
+    km, kn, kv = key_summary(k, block, k_reps, k_outliers, variance)
+    rk = km.shape[3]
+    # key columns rep-major (column = rep * nkb + block): the per-block sum adds contiguous rows
+    # every representative logit in one product: [scale q, |q|^2, 1] . [k, 0.5 scale^2 var, log n]
+    # (a key representative stands for n tokens; log 0 = -inf drops the empty runs of a short block)
+    cols = [km]
+    if variance:
+        cols.append(kv.mul(0.5 * scale * scale)[..., None])
+    cols.append(torch.log(kn)[..., None])
+    ka = torch.cat(cols, -1).transpose(2, 3).reshape(b, n2, rk * nkb, -1)
+    if n1 != n2:
+        ka = ka.repeat_interleave(n1 // n2, dim=1)
+    ka_t = ka.transpose(-1, -2)
+    qa, qn = query_summary(q, block, q_reps, ka.shape[-1] - d)  # (b, n1, nqb, q_reps, kd), (nqb, q_reps)
+    w = (qn / qn.sum(-1, keepdim=True).clamp_min(1)).view(1, 1, nqb, q_reps, 1)
+    if variance:
+        qa[..., d] = torch.linalg.vector_norm(qa[..., :d], dim=-1).square_()
+    qa[..., :d] *= scale
+    qa[..., -1] = 1.0
+    probs = torch.empty(b, n1, nqb, nkb, dtype=torch.float32, device=q.device)
+    step = max(1, _CHUNK_ELEMS // max(1, b * n1 * q_reps * rk * nkb))  # query blocks per chunk
+    for i0 in range(0, nqb, step):
+        i1 = min(nqb, i0 + step)
+        logits = torch.matmul(qa[:, :, i0:i1].reshape(b, n1, (i1 - i0) * q_reps, -1), ka_t)
+        p = torch.softmax(logits, dim=-1).view(b, n1, i1 - i0, q_reps, rk, nkb).sum(4)
+        probs[:, :, i0:i1] = p.mul_(w[:, :, i0:i1]).sum(3)
+    return probs
 
 
 def forced_blocks(flags: torch.Tensor, block: int) -> torch.Tensor:

@@ -49,7 +49,7 @@ SPARSE_TYPES = (None, "rf_v2")
 INPUT_LAYOUTS = ("BNSD", "BSND", "BSH")
 _EXTRAS = ("window", "min_seq_len", "selection", "return_stats", "backend", "head_chunk", "budget", "selector",
            "selector_reps")
-DEFAULT_SELECTOR_REPS = (16, 8)  # "subblock": representatives per query block, per key block
+DEFAULT_SELECTOR_REPS = (32, 8)  # "subblock": representatives per query block, per key block
 _MEMORY_FRACTION = 0.125  # reordered copies (q, k, v, out) per head group, relative to the inputs
 
 
@@ -217,7 +217,7 @@ def sparse_attention(q, k, v, attn_mask=None, scale=None, is_causal=False, head_
             blocks count toward it); ``selector`` ("subblock" = estimated attention mass,
             default; "reference" = RainFusion 2.0 mean-pooled scores); ``selector_reps``
             ((q_reps, k_reps) representatives per query / key block for "subblock", each in
-            [1, block_size], default (16, 8) capped at block_size).
+            [1, block_size], default (32, 8) capped at block_size).
 
     Returns:
         The attention output in the input layout and dtype, or ``(out, SparseStats)`` with
@@ -352,8 +352,7 @@ def sparse_attention(q, k, v, attn_mask=None, scale=None, is_causal=False, head_
         hq, hk = slice(h0 * g, (h0 + c) * g), slice(h0, h0 + c)
         qc = q4[:, hq].index_select(2, perm_q)
         kc = k4[:, hk].index_select(2, perm_k)
-        vc = v4[:, hk].index_select(2, perm_k)
-        if selection is None:
+        if selection is None:  # scored before v is copied: the scoring buffers never meet the kernel's
             score, probs = block_scores(qc, kc, block_size, scale_v, selector, reps[0], reps[1])
             si, sn, pr = select_blocks(score, probs, keep, forced_q, forced_kv, diagonal, cdf_threshold, q_tok,
                                        kv_tok, budget)
@@ -363,6 +362,7 @@ def sparse_attention(q, k, v, attn_mask=None, scale=None, is_causal=False, head_
             pairs += pr
         else:
             si, sn = selection.select_idx[:, hq], selection.select_num[:, hq]
+        vc = v4[:, hk].index_select(2, perm_k)
         problem = _rf._Problem("BNSD", "BNSD", (sq,) * b, (skv,) * b, c * g, c, (block_size, block_size), scale_v,
                                inner_precise)
         oc, _, be = _rf._dispatch(qc, kc, vc, si, sn, problem, False, backend)

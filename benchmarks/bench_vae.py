@@ -131,7 +131,7 @@ def _rank(rank, world, init_file, args, out_dir):
                     diff = (out - ref).abs().max().item() if rank == 0 else None
                     res.append(dict(rep=rep, mode=mode, kind=kind, base_t=base_t, base_mem=base_mem, par_t=par_t,
                                     par_mem=m.growth, sent=sent, collectives=ncoll,
-                                    overlap=runner.overlap if mode == "chunked" else None, diff=diff,
+                                    overlap=runner.overlap_for(kind) if mode == "chunked" else None, diff=diff,
                                     shape=tuple(out.shape)))
                     del out
     import pickle
@@ -267,8 +267,10 @@ def main(argv=None):
     args.runs = [(m, o) for m in args.modes for o in (ovs if m == "chunked" else [None])]
     args.kinds = args.kinds.split(",")
     if not args.model_only:
+        args.load_before = f"{os.getloadavg()[0]:.2f}"
         rows = measure(args)
-        print(f"small trained Wan VAE ({os.path.relpath(args.weights, ROOT)}), fp32, {args.latent_frames} latent frames -> "
+        print(f"load average before / after: {args.load_before} / {os.getloadavg()[0]:.2f}; "
+              f"small trained Wan VAE ({os.path.relpath(args.weights, ROOT)}), fp32, {args.latent_frames} latent frames -> "
               f"{1 + 4 * (args.latent_frames - 1)} x {args.height} x {args.width} video; 1 process x 1 thread vs "
               f"2 processes x 1 thread (gloo); median of {args.repeats} interleaved runs\n")
         print("| mode | call | 1x1 s | 2x1 s | speedup | max abs diff vs 1x1 | peak RSS growth MiB 1x1 / r0 / r1 "
@@ -276,6 +278,7 @@ def main(argv=None):
         print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             mode = r["mode"] + (f" (overlap {r['overlap']})" if r["overlap"] else "")
+            mode += " (default)" if r["mode"] == "chunked" and not args.overlaps else ""
             print(f"| {mode} | {r['kind']} | {r['base']:.2f} | {r['par']:.2f} | {r['speedup']:.2f}x | {r['diff']:.1e} | "
                   f"{r['base_mem']:.0f} / {r['mem0']:.0f} / {r['mem1']:.0f} | {r['sent']:.1f} | {r['coll']} |")
         print("\nruns (1x1 s, 2x1 s):", {f"{r['mode']}{r['overlap'] or ''}/{r['kind']}": r["runs"] for r in rows})

@@ -2,6 +2,15 @@
 
     flock /tmp/lite_boost_cpu.lock python scripts/train_small_wan_vae.py --minutes 9 --threads 2
 
+Long runs on a shared machine go in short segments that resume from a checkpoint (model, optimizer,
+data generator, step and training time), so each locked run stays short:
+
+    for i in $(seq 12); do flock /tmp/lite_boost_cpu.lock python scripts/train_small_wan_vae.py \
+        --minutes 42 --segment-minutes 3.5 --checkpoint /tmp/vae_train.pt; done
+
+``--minutes`` is the whole training budget (the learning-rate schedule runs over it); each call trains
+at most ``--segment-minutes`` of it, saves the checkpoint and writes the weights so far to ``--out``.
+
 The model is diffusers' ``AutoencoderKLWan`` at a reduced width (base_dim 16, dim_mult [1, 2, 2, 2],
 one residual block per level, z_dim 16: 8x spatial / 4x temporal compression like Wan2.1's VAE,
 0.83 M parameters). The data are generated on the fly (:func:`procedural_video`): a drifting
@@ -98,7 +107,10 @@ def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--minutes", type=float, default=9.0, help="wall-clock training budget")
+    p.add_argument("--minutes", type=float, default=9.0, help="wall-clock training budget (all segments)")
+    p.add_argument("--segment-minutes", type=float, default=None,
+                   help="train at most this long in this call, then checkpoint (default: the whole budget)")
+    p.add_argument("--checkpoint", default=None, help="resume from / save to this file (model, optimizer, step)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--size", type=int, default=32, help="training crop height = width (multiple of 8)")
     p.add_argument("--frames", type=int, default=13, help="frames per training clip (4k+1)")
@@ -118,10 +130,20 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(args.seed + 1)
     held = batch(torch.Generator().manual_seed(12345), 2, 21, args.size, args.size)
     budget = args.minutes * 60
+    trained, step, log = 0.0, 0, []
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        ck = torch.load(args.checkpoint, weights_only=False)
+        vae.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        gen.set_state(ck["gen"])
+        trained, step, log = ck["trained_s"], ck["step"], ck["log"]
+        print(f"resumed at step {step}, {trained:.0f}s of {budget:.0f}s trained", flush=True)
+    if trained >= budget:
+        print("training budget already spent; writing the weights", flush=True)
+    segment = budget - trained if args.segment_minutes is None else min(budget - trained, args.segment_minutes * 60)
     t0 = time.monotonic()
-    step, log = 0, []
-    while time.monotonic() - t0 < budget:
-        frac = (time.monotonic() - t0) / budget
+    while time.monotonic() - t0 < segment:
+        frac = (trained + time.monotonic() - t0) / budget
         for g in opt.param_groups:  # warm-up then cosine decay over the wall-clock budget
             g["lr"] = args.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
         x = batch(gen, args.batch, args.frames, args.size, args.size)
@@ -135,12 +157,19 @@ def main(argv=None):
         opt.step()
         step += 1
         if step % 25 == 0:
-            log.append((step, round(time.monotonic() - t0, 1), round(loss.item(), 4)))
-            print(f"step {step} t={time.monotonic() - t0:.0f}s loss={loss.item():.4f}", flush=True)
+            log.append((step, round(trained + time.monotonic() - t0, 1), round(loss.item(), 4)))
+            print(f"step {step} t={trained + time.monotonic() - t0:.0f}s loss={loss.item():.4f}", flush=True)
+    trained += time.monotonic() - t0
+    if args.checkpoint:
+        tmp = args.checkpoint + ".tmp"
+        torch.save(dict(model=vae.state_dict(), opt=opt.state_dict(), gen=gen.get_state(), trained_s=trained,
+                        step=step, log=log), tmp)
+        os.replace(tmp, args.checkpoint)
     vae.eval()
     with torch.no_grad():
         rec = vae.decode(vae.encode(held).latent_dist.mode()).sample
-    summary = dict(config=SMALL_WAN_VAE, steps=step, wall_s=round(time.monotonic() - t0, 1), threads=args.threads,
+    summary = dict(config=SMALL_WAN_VAE, steps=step, wall_s=round(trained, 1), budget_s=round(budget, 1),
+                   done=trained >= budget - 1, threads=args.threads,
                    train_clip=[args.batch, 3, args.frames, args.size, args.size], lr=args.lr, kl=args.kl,
                    heldout_recon_psnr_db=round(psnr(rec, held), 2), heldout_shape=list(held.shape), log=log[-10:])
     os.makedirs(args.out, exist_ok=True)

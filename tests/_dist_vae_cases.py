@@ -47,14 +47,15 @@ def _run(vae, comm, z, x, **kw):
     try:
         dec = vae.decode(z).sample
         dec_calls = dict(stats.calls)
+        plan = parallel_vae_state(vae).last_plan  # the decode's (encode plans balance another cost)
         stats.reset()
         enc = vae.encode(x).latent_dist.mean if x is not None else None
         enc_calls = dict(stats.calls)
-        plan = parallel_vae_state(vae).last_plan
+        enc_plan = parallel_vae_state(vae).last_plan
     finally:
         unparallelize_vae(vae)
         comm.stats = None
-    return dec, enc, dec_calls, enc_calls, plan
+    return dec, enc, dec_calls, enc_calls, (plan, enc_plan)
 
 
 def bookkeeping_cases(mesh):
@@ -68,7 +69,8 @@ def bookkeeping_cases(mesh):
             ref_d, ref_e = vae.decode(z).sample, vae.encode(x).latent_dist.mean
             # chunk_size 1: more chunks than ranks, round-robin; 8 at 21 frames: two chunks on rank 0
             for chunk_size in ((None, 1) if n < 21 else (None, 8)):
-                dec, enc, dc, ec, plan = _run(vae, mesh.world, z, x, mode="chunked", overlap=n, chunk_size=chunk_size)
+                dec, enc, dc, ec, (plan, _) = _run(vae, mesh.world, z, x, mode="chunked", overlap=n,
+                                                   chunk_size=chunk_size)
                 out[(n, chunk_size)] = dict(
                     dec_frames=dec.shape[2], ref_frames=ref_d.shape[2], dec_equal=torch.equal(dec, ref_d),
                     enc_frames=enc.shape[2], enc_equal=torch.equal(enc, ref_e), chunks=len(plan.chunks),
@@ -85,13 +87,13 @@ def chunked_cases(mesh):
         for n, ov in ((5, 1), (9, 2)):
             z, x = _inputs(n, 2, 3, seed=10 + n)
             ref_d, ref_e = vae.decode(z).sample, vae.encode(x).latent_dist.mean
-            dec, enc, dc, ec, plan = _run(vae, mesh.world, z, x, mode="chunked", overlap=ov)
-            c0 = plan.chunks[0]
+            dec, enc, dc, ec, (plan, enc_plan) = _run(vae, mesh.world, z, x, mode="chunked", overlap=ov)
+            c0, e0 = plan.chunks[0], enc_plan.chunks[0]
             f0 = 1 + 4 * (c0.stop - 1)
             out[(n, ov)] = dict(
                 shape_ok=dec.shape == ref_d.shape and enc.shape == ref_e.shape,
                 chunk0_equal=torch.equal(dec[:, :, :f0], ref_d[:, :, :f0]),
-                enc_chunk0_equal=torch.equal(enc[:, :, : c0.stop], ref_e[:, :, : c0.stop]),
+                enc_chunk0_equal=torch.equal(enc[:, :, : e0.stop], ref_e[:, :, : e0.stop]),
                 rest_diff=_diff(dec[:, :, f0:], ref_d[:, :, f0:]), dec_sum=dec.double().sum().item(),
                 chunks=[(c.rank, c.start, c.stop, c.warm_start) for c in plan.chunks], dec_calls=dc)
         z, _ = _inputs(5, 2, 3, seed=99)
@@ -103,6 +105,8 @@ def chunked_cases(mesh):
 
 def exact_cases(mesh):
     """Exact mode vs sequential: decode and encode, several frame counts, uneven bands, tiling."""
+    from lite_boost.parallel.vae import vae_adapter_for
+
     vae = tiny_vae()
     out = {}
     with torch.no_grad():
@@ -112,6 +116,13 @@ def exact_cases(mesh):
             dec, enc, dc, ec, _ = _run(vae, mesh.world, z, x, mode="exact")
             out[(n, h, w)] = dict(dec=_diff(dec, ref_d), enc=_diff(enc, ref_e), ref_abs=ref_d.abs().mean().item(),
                                   halos=dc.get("vae_halo", 0), enc_halos=ec.get("vae_halo", 0))
+            if (n, h) == (2, 5) and mesh.world.size == 2:  # every band >= 2 rows at every level
+                ad = vae_adapter_for(vae)
+                per_call = {k: len(lay.halo) - len(lay.pairs) + len(lay.bottom_halo)
+                            for k, lay in ((k, ad.spatial_layout(k)) for k in ("decode", "encode"))}
+                out[(n, h, w)].update(pairs=len(ad.spatial_layout("decode").pairs),
+                                      expect_halos=n * per_call["decode"], expect_enc_halos=2 * per_call["encode"],
+                                      dec_gathers=dc.get("gather", 0))
         # with the VAE's own spatial tiling (tiles of 32x32 pixels, stride 16: 3 x 3 tiles)
         vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=16,
                           tile_sample_stride_width=16)
@@ -125,10 +136,10 @@ def exact_cases(mesh):
 
 
 def seam_case(mesh):
-    """Trained small VAE: chunked decode at the adapter's default overlap vs the sequential decode."""
+    """Trained small VAE: chunked decode / encode at the adapter's default overlaps vs sequential."""
     from diffusers import AutoencoderKLWan
 
-    from lite_boost.models.wan_vae import WAN_VAE_DEFAULT_OVERLAP
+    from lite_boost.models.wan_vae import WAN_VAE_DEFAULT_ENCODE_OVERLAP, WAN_VAE_DEFAULT_OVERLAP
     from lite_boost.parallel.vae import parallel_vae_state, parallelize_vae, unparallelize_vae
 
     sys.path.insert(0, os.path.join(os.path.dirname(DATA), "..", "..", "scripts"))
@@ -142,14 +153,27 @@ def seam_case(mesh):
         parallelize_vae(vae, mesh.world, mode="chunked")
         dec = vae.decode(z).sample
         plan = parallel_vae_state(vae).last_plan
+        enc = vae.encode(video).latent_dist.mode()
+        enc_plan = parallel_vae_state(vae).last_plan
         unparallelize_vae(vae)
+        dec_enc = vae.decode(enc).sample  # what the encode seams do to pixels (sequential decode)
     seams = []
     for c in plan.chunks[1:]:
         a = 1 + 4 * (c.start - 1)
         seams.append(psnr(dec[:, :, a : a + 4], ref[:, :, a : a + 4]))
+    peak = (z.max() - z.min()).item()
+    enc_seams, enc_pix = [], []
+    for c in enc_plan.chunks[1:]:
+        err = (enc[:, :, c.start] - z[:, :, c.start]).double().pow(2).mean().item()
+        enc_seams.append(float("inf") if err == 0 else 10 * math.log10(peak ** 2 / err))
+        a = 1 + 4 * (c.start - 1)
+        enc_pix.append(psnr(dec_enc[:, :, a : a + 4], ref[:, :, a : a + 4]))
+    s0 = enc_plan.chunks[0].stop
     return dict(overlap=plan.overlap, default=WAN_VAE_DEFAULT_OVERLAP, seams=seams, recon=psnr(ref, video),
                 chunk0_equal=torch.equal(dec[:, :, :1 + 4 * (plan.chunks[0].stop - 1)],
-                                         ref[:, :, :1 + 4 * (plan.chunks[0].stop - 1)]))
+                                         ref[:, :, :1 + 4 * (plan.chunks[0].stop - 1)]),
+                enc_overlap=enc_plan.overlap, enc_default=WAN_VAE_DEFAULT_ENCODE_OVERLAP, enc_seams=enc_seams,
+                enc_pix=enc_pix, enc_chunk0_equal=torch.equal(enc[:, :, :s0], z[:, :, :s0]))
 
 
 def pipeline_cases(mesh, init_method):

@@ -138,6 +138,17 @@ class SpatialLayout:
         row is replaced by the next band's first row.
     gather: modules that mix all positions (attention): they see the gathered input and keep their
         band of the output (computed redundantly on every rank; keep these small).
+    unpad: ``unpad(module) -> undo`` sets a halo module's row padding to 0 for the duration of the
+        call (and returns what restores it). With it the halo rows (zeros at the image edges) stand
+        in for the padding, so a convolution computes exactly its band (no extra rows to trim), and
+        ``pairs`` can share one exchange. Without it each halo output is trimmed.
+    pairs: ``(first, second)`` halo modules with only row-local, zero-preserving operations between
+        them (norm without bias, SiLU, dropout in eval), the second fed by the first only: ONE
+        exchange of ``rows(first) + rows(second)`` rows before the first replaces the two, the first
+        computes ``rows(second)`` extra rows each side (zero beyond the image edge, as the second's
+        padding would be), and the second reads them (its causal cache, stored by the model from its
+        input, carries them too). Needs ``unpad`` and bands of at least that many rows (else the two
+        exchange separately).
     """
 
     root: torch.nn.Module
@@ -145,6 +156,8 @@ class SpatialLayout:
     halo: list = field(default_factory=list)  # [(module, rows)]
     bottom_halo: list = field(default_factory=list)  # [module]
     gather: list = field(default_factory=list)  # [module]
+    unpad: Callable[[torch.nn.Module], Callable[[], None]] | None = None
+    pairs: list = field(default_factory=list)  # [(first, second)]
 
 
 class VAEAdapter:
@@ -183,12 +196,27 @@ class VAEAdapter:
         """The tensor inside the wrapped method's return value."""
         return out
 
+    def row_local_tail(self, inp: torch.Tensor, kind: str) -> bool:
+        """True when the wrapped method does nothing but row-local work around its network calls for
+        this input (e.g. no spatial tiling): exact mode then gathers the final output once instead of
+        each network call's output. Default False (gather per call)."""
+        return False
+
     def wrap(self, tensor: torch.Tensor, kind: str, *args, **kwargs):
         """Build the wrapped method's return value around ``tensor``."""
         return tensor
 
     def spatial_layout(self, kind: str) -> SpatialLayout:
         raise NotImplementedError
+
+    # planning
+    def chunk_cost(self, warm_start: int, start: int, stop: int, kind: str) -> float:
+        """Compute of one chunk run (warm-up on [warm_start, start), then [start, stop)) in units of one
+        later latent frame; the chunked plan balances the ranks by it. Default: one unit per frame."""
+        return float(stop - warm_start)
+
+    def chunk_cost_fn(self, kind: str) -> Callable[[int, int, int], float]:
+        return lambda w, s, e: self.chunk_cost(w, s, e, kind)
 
 
 # ------------------------------------------------------------------------------------------ planning
@@ -235,14 +263,16 @@ def _check_pos_int(name: str, value, lo: int = 1):
 
 
 def plan_chunks(num_frames: int, world_size: int, *, overlap: int, chunk_size: int | None = None,
-                first_cost: float = 0.25) -> ChunkPlan:
+                first_cost: float = 0.25, cost: Callable[[int, int, int], float] | None = None) -> ChunkPlan:
     """Cut ``num_frames`` latent frames into contiguous chunks over ``world_size`` ranks.
 
-    ``chunk_size=None``: at most one chunk per rank, sized so the ranks' costs balance; a rank's cost
-    counts its frames, its warm-up frames (``min(overlap, start)``) and frame 0 at ``first_cost``
-    (it yields one video frame instead of four). With a ``chunk_size``, chunks of that many frames
-    go to the ranks round-robin. Either way chunk 0 starts at frame 0 on rank 0 and ranks beyond
-    the number of chunks own none.
+    ``chunk_size=None``: at most one chunk per rank, with boundaries that minimise the largest rank
+    cost. ``cost(warm_start, start, stop)`` is the compute of one chunk run (warm-up included) in
+    units of one later latent frame; adapters supply it (:meth:`VAEAdapter.chunk_cost`). Without it
+    a chunk costs its frames plus its warm-up frames (``min(overlap, start)``), frame 0 counting
+    ``first_cost`` (it yields one video frame instead of four). With a ``chunk_size``, chunks of that
+    many frames go to the ranks round-robin. Either way chunk 0 starts at frame 0 on rank 0 and ranks
+    beyond the number of chunks own none.
     """
     _check_pos_int("num_frames", num_frames)
     _check_pos_int("world_size", world_size)
@@ -250,29 +280,32 @@ def plan_chunks(num_frames: int, world_size: int, *, overlap: int, chunk_size: i
     if chunk_size is not None:
         _check_pos_int("chunk_size", chunk_size)
 
+    def warm(s):
+        return max(0, s - overlap) if s else 0
+
     def chunk(i, rank, s, e):
-        return Chunk(index=i, rank=rank, start=s, stop=e, warm_start=max(0, s - overlap) if s else 0)
+        return Chunk(index=i, rank=rank, start=s, stop=e, warm_start=warm(s))
 
     if chunk_size is not None:
         bounds = list(range(0, num_frames, chunk_size))
         chunks = tuple(chunk(i, i % world_size, s, min(s + chunk_size, num_frames)) for i, s in enumerate(bounds))
         return ChunkPlan(num_frames, world_size, overlap, chunk_size, chunks)
 
-    def cost(s, e):
-        own = (e - s) - (1 - first_cost if s == 0 else 0)
-        return own + (min(overlap, s) if s else 0)
+    if cost is None:
+        def cost(w, s, e):
+            return (e - s) - (1 - first_cost if s == 0 else 0) + (s - w)
 
     def greedy(limit):
         out, s = [], 0
         while s < num_frames and len(out) < world_size:
             e = s + 1
-            while e < num_frames and cost(s, e + 1) <= limit:
+            while e < num_frames and cost(warm(s), s, e + 1) <= limit:
                 e += 1
             out.append((s, e))
             s = e
         return out if s >= num_frames else None
 
-    lo, hi = 0.0, float(num_frames + overlap)
+    lo, hi = 0.0, float(cost(0, 0, num_frames))
     best = greedy(hi)
     for _ in range(60):  # bisection on the largest per-rank cost
         mid = (lo + hi) / 2
@@ -335,9 +368,12 @@ class _Collectives:
             dist.gather(buf, list(out.unbind(0)) if is_root else None, dst=dst, group=comm.group)
         return out
 
-    def halo(self, tensors: Sequence[torch.Tensor], dim: int, before: int, after: int):
+    def halo(self, tensors: Sequence[torch.Tensor], dim: int, before: int, after: int, wait: bool = True):
         """For each tensor, the last ``before`` rows (along ``dim``) of the previous rank and the first
-        ``after`` rows of the next one (zeros at the ends of the band order). One packed all_to_all."""
+        ``after`` rows of the next one (zeros at the ends of the band order). One packed all_to_all.
+
+        ``wait=False`` starts the exchange and returns ``finish()``, which waits for it and returns the
+        result: the caller computes what needs no halo in between."""
         comm = self.comm
         P, r = comm.size, comm.rank
         dtype = tensors[0].dtype
@@ -360,24 +396,39 @@ class _Collectives:
         ref = tensors[0]
         send = torch.cat(send_parts) if send_parts else ref.new_empty(0)
         recv = ref.new_empty(sum(out_splits))
+        work = None
         if P > 1 and (n_top or n_bot):
-            with self._guard("vae_halo"):
-                comm.all_to_all_single(recv, send, out_splits, in_splits, op="vae_halo")
-        from_prev = recv[: out_splits[r - 1]] if r > 0 else None
-        from_next = recv[(out_splits[r - 1] if r > 0 else 0):] if r < P - 1 else None
-        result, o_prev, o_next = [], 0, 0
-        for i, t in enumerate(tensors):
-            prev = nxt = None
-            if before:
-                shape, n = bots[i].shape, bots[i].numel()
-                prev = from_prev[o_prev:o_prev + n].view(shape) if from_prev is not None else t.new_zeros(shape)
-                o_prev += n
-            if after:
-                shape, n = tops[i].shape, tops[i].numel()
-                nxt = from_next[o_next:o_next + n].view(shape) if from_next is not None else t.new_zeros(shape)
-                o_next += n
-            result.append((prev, nxt))
-        return result
+            if wait:
+                with self._guard("vae_halo"):
+                    comm.all_to_all_single(recv, send, out_splits, in_splits, op="vae_halo")
+            else:
+                es = send.element_size()
+                comm._record("vae_halo", send.numel() * es, recv.numel() * es)
+                with self._guard("vae_halo"):
+                    work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=comm.group,
+                                                  async_op=True)
+
+        def finish():
+            if work is not None:
+                with self._guard("vae_halo"):
+                    work.wait()
+            from_prev = recv[: out_splits[r - 1]] if r > 0 else None
+            from_next = recv[(out_splits[r - 1] if r > 0 else 0):] if r < P - 1 else None
+            result, o_prev, o_next = [], 0, 0
+            for i, t in enumerate(tensors):
+                prev = nxt = None
+                if before:
+                    shape, n = bots[i].shape, bots[i].numel()
+                    prev = from_prev[o_prev:o_prev + n].view(shape) if from_prev is not None else t.new_zeros(shape)
+                    o_prev += n
+                if after:
+                    shape, n = tops[i].shape, tops[i].numel()
+                    nxt = from_next[o_next:o_next + n].view(shape) if from_next is not None else t.new_zeros(shape)
+                    o_next += n
+                result.append((prev, nxt))
+            return result
+
+        return finish() if wait else finish
 
     def gather_rows(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         """All-gather uneven bands along ``dim`` (sizes known on every rank) into the full tensor."""
@@ -403,17 +454,28 @@ class _Band:
 
 
 class _SpatialSplit:
-    """Hooks that make one network run on row bands (installed for the duration of one VAE call)."""
+    """Hooks that make one network run on row bands (installed for the duration of one VAE call).
+
+    ``defer_gather``: the root returns its band (the caller gathers the method's final output once,
+    valid when everything after the network calls is row-local); ``root_sizes`` then holds the band
+    sizes of the split calls (None when no call was split).
+    """
 
     DIM = -2
 
-    def __init__(self, layout: SpatialLayout, coll: _Collectives):
+    def __init__(self, layout: SpatialLayout, coll: _Collectives, defer_gather: bool = False,
+                 overlap_halo: bool = True):
         self.layout = layout
+        self.overlap_halo = overlap_halo and layout.unpad is not None
+        self.wrapped: list = []  # (module, had_instance_forward, previous)
         self.coll = coll
         self.band = _Band()
         self.handles: list = []
         self.root_had_forward = False
         self.warned = False
+        self.defer = defer_gather
+        self.root_sizes: list[int] | None = None
+        self.merged: dict[int, bool] = {}  # id(second of a pair) -> its input carries the halo (this call)
 
     # --- root: split the input rows, gather the output rows
     def _root_forward(self, inner):
@@ -427,41 +489,136 @@ class _SpatialSplit:
                                    "of %d rows; this call runs unsplit on every rank", x.shape[dim], comm.size,
                                    self.layout.unit)
                     self.warned = True
+                if self.defer and self.root_sizes is not None:
+                    raise RuntimeError("parallel VAE (exact): split and unsplit network calls in one deferred call")
                 return inner(x, *args, **kwargs)
             start = sum(sizes[:comm.rank])
             band.sizes = sizes
+            # halo rows replace the row padding, in split calls only (an unsplit call keeps the model's)
+            undo = [self.layout.unpad(m) for m, _ in self.layout.halo] if self.layout.unpad is not None else []
             try:
                 out = inner(x.narrow(dim, start, sizes[comm.rank]), *args, **kwargs)
             finally:
                 band.sizes = None
+                for u in reversed(undo):
+                    u()
+            if self.defer:
+                if self.root_sizes not in (None, sizes):
+                    raise RuntimeError(f"parallel VAE (exact): band sizes changed within one call ({self.root_sizes} "
+                                       f"-> {sizes})")
+                self.root_sizes = sizes
+                return out
             return self.coll.gather_rows(out, dim, band_sizes_out(sizes, out.shape[dim], comm.rank))
 
         return forward
 
+    def gather_output(self, out: torch.Tensor) -> torch.Tensor:
+        """The deferred gather of the wrapped method's final (band) output."""
+        if self.root_sizes is None:
+            return out
+        return self.coll.gather_rows(out, self.DIM, band_sizes_out(self.root_sizes, out.shape[self.DIM],
+                                                                   self.coll.comm.rank))
+
     # --- halo convolutions
-    def _halo_pre(self, rows):
+    def _halo_hooks(self, rows, first_of: tuple | None = None, second: bool = False):
+        """Pre/post hooks of one halo module. ``first_of=(second_module, rows2)``: the first of a pair;
+        ``second``: the second of a pair (reads its halo from the first's wider output when merged)."""
+        unpadded = self.layout.unpad is not None
+        dim = self.DIM
+
         def pre(module, args, kwargs):
             if self.band.sizes is None:
                 return None
+            if second and self.merged.get(id(module)):
+                return None  # the input (and the cached rows) already carry the halo
             idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
             keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
             tensors = [args[i] for i in idx] + [kwargs[k] for k in keys]
-            halos = self.coll.halo(tensors, self.DIM, rows, rows)
-            ext = [torch.cat([p, t, n], dim=self.DIM) for t, (p, n) in zip(tensors, halos)]
+            ext = rows
+            if first_of is not None:
+                partner, rows2 = first_of
+                # the same decision on every rank: from the global band sizes at this resolution
+                merge = min(self.band.sizes_like(tensors[0].shape[dim], self.coll.comm.rank)) >= rows + rows2
+                self.merged[id(partner)] = merge
+                if merge:
+                    ext = rows + rows2
+            halos = self.coll.halo(tensors, dim, ext, ext)
+            ext_t = [torch.cat([p, t, n], dim=dim) for t, (p, n) in zip(tensors, halos)]
             args = list(args)
             for j, i in enumerate(idx):
-                args[i] = ext[j]
+                args[i] = ext_t[j]
             kwargs = dict(kwargs)
             for j, k in enumerate(keys):
-                kwargs[k] = ext[len(idx) + j]
+                kwargs[k] = ext_t[len(idx) + j]
             return tuple(args), kwargs
 
         def post(module, args, output):
             if self.band.sizes is None:
                 return None
-            return output.narrow(self.DIM, rows, output.shape[self.DIM] - 2 * rows)
+            if not unpadded:
+                return output.narrow(dim, rows, output.shape[dim] - 2 * rows)
+            if first_of is not None and self.merged.get(id(first_of[0])):
+                rows2 = first_of[1]  # rows beyond the image edge: the second's zero padding
+                comm = self.coll.comm
+                if comm.rank == 0:
+                    output.narrow(dim, 0, rows2).zero_()
+                if comm.rank == comm.size - 1:
+                    output.narrow(dim, output.shape[dim] - rows2, rows2).zero_()
+            return None
 
         return pre, post
+
+    def _halo_forward(self, module, orig, rows, first_of: tuple | None = None, second: bool = False):
+        """Forward of an unpadded halo module that overlaps its exchange with compute: it starts the
+        exchange, runs the module on its own band (the output rows that need no halo), then on the
+        two thin strips at the band edges with the received rows, and concatenates (one exchange, the
+        same rows as the hook path; bands of <= 2 * rows rows take the hook path's order)."""
+        dim = self.DIM
+
+        def forward(*args, **kwargs):
+            if self.band.sizes is None or (second and self.merged.get(id(module))):
+                return orig(*args, **kwargs)  # not split / the input already carries the halo
+            idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+            tensors = [args[i] for i in idx] + [kwargs[k] for k in keys]
+
+            def call(ts):
+                a, kw = list(args), dict(kwargs)
+                for j, i in enumerate(idx):
+                    a[i] = ts[j]
+                for j, k in enumerate(keys):
+                    kw[k] = ts[len(idx) + j]
+                return orig(*a, **kw)
+
+            ext, merged = rows, False
+            if first_of is not None:
+                partner, rows2 = first_of
+                merged = min(self.band.sizes_like(tensors[0].shape[dim], self.coll.comm.rank)) >= rows + rows2
+                self.merged[id(partner)] = merged
+                if merged:
+                    ext = rows + rows2
+            band = tensors[0].shape[dim]
+            if band > 2 * rows:
+                finish = self.coll.halo(tensors, dim, ext, ext, wait=False)
+                inner = call(tensors)  # output rows [rows, band - rows): no halo needed
+                halos = finish()
+                top = call([torch.cat([p, t.narrow(dim, 0, 2 * rows)], dim=dim) for t, (p, _) in zip(tensors, halos)])
+                bot = call([torch.cat([t.narrow(dim, band - 2 * rows, 2 * rows), n], dim=dim)
+                            for t, (_, n) in zip(tensors, halos)])
+                out = torch.cat([top, inner, bot], dim=dim)
+            else:
+                halos = self.coll.halo(tensors, dim, ext, ext)
+                out = call([torch.cat([p, t, n], dim=dim) for t, (p, n) in zip(tensors, halos)])
+            if merged:
+                rows2 = first_of[1]  # rows beyond the image edge: the second's zero padding
+                comm = self.coll.comm
+                if comm.rank == 0:
+                    out.narrow(dim, 0, rows2).zero_()
+                if comm.rank == comm.size - 1:
+                    out.narrow(dim, out.shape[dim] - rows2, rows2).zero_()
+            return out
+
+        return forward
 
     def _bottom_pre(self, module, args):
         if self.band.sizes is None:
@@ -490,25 +647,49 @@ class _SpatialSplit:
         return output.narrow(self.DIM, int(sum(sizes[:rank]) * factor), int(sizes[rank] * factor))
 
     def install(self):
-        root = self.layout.root
+        layout = self.layout
+        root = layout.root
         self.root_had_forward = "forward" in root.__dict__
         self.prev_forward = root.__dict__.get("forward")
         root.forward = self._root_forward(root.forward)
-        for mod, rows in self.layout.halo:
-            pre, post = self._halo_pre(rows)
-            self.handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
-            self.handles.append(mod.register_forward_hook(post))
-        for mod in self.layout.bottom_halo:
-            self.handles.append(mod.register_forward_pre_hook(self._bottom_pre))
-        for mod in self.layout.gather:
-            self.handles.append(mod.register_forward_pre_hook(self._gather_pre))
-            self.handles.append(mod.register_forward_hook(self._gather_post))
+        rows_of = {id(m): r for m, r in layout.halo}
+        firsts, seconds = {}, set()
+        if layout.unpad is not None:
+            for a, b in layout.pairs:
+                if id(a) in rows_of and id(b) in rows_of:
+                    firsts[id(a)] = (b, rows_of[id(b)])
+                    seconds.add(id(b))
+        try:
+            for mod, rows in layout.halo:
+                if self.overlap_halo:
+                    had = "forward" in mod.__dict__
+                    self.wrapped.append((mod, had, mod.__dict__.get("forward")))
+                    mod.forward = self._halo_forward(mod, mod.forward, rows, first_of=firsts.get(id(mod)),
+                                                     second=id(mod) in seconds)
+                    continue
+                pre, post = self._halo_hooks(rows, first_of=firsts.get(id(mod)), second=id(mod) in seconds)
+                self.handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+                self.handles.append(mod.register_forward_hook(post))
+            for mod in layout.bottom_halo:
+                self.handles.append(mod.register_forward_pre_hook(self._bottom_pre))
+            for mod in layout.gather:
+                self.handles.append(mod.register_forward_pre_hook(self._gather_pre))
+                self.handles.append(mod.register_forward_hook(self._gather_post))
+        except BaseException:
+            self.remove()
+            raise
         return self
 
     def remove(self):
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        while self.wrapped:
+            mod, had, prev = self.wrapped.pop()
+            if had:
+                mod.forward = prev
+            elif "forward" in mod.__dict__:
+                del mod.forward
         root = self.layout.root
         if self.root_had_forward:
             root.forward = self.prev_forward
@@ -555,6 +736,8 @@ class ParallelVAE:
         self.previous: dict[str, Any] = {}
         self.last_plan: ChunkPlan | None = None
         self.calls = {"decode": 0, "encode": 0}
+        # exact mode: overlap each halo exchange with the convolution of the band's inner rows
+        self.overlap_halo = True
 
     def overlap_for(self, kind: str) -> int:
         """The warm-up of ``kind`` ("decode" / "encode"): the configured overlap or the adapter's default."""
@@ -599,17 +782,24 @@ class ParallelVAE:
         if self.comm.size == 1:
             return inner(inp, *args, **kwargs)
         if self.mode == "exact":
-            split = _SpatialSplit(self.adapter.spatial_layout(kind), self.coll).install()
+            ad = self.adapter
+            defer = ad.row_local_tail(inp, kind)
+            split = _SpatialSplit(ad.spatial_layout(kind), self.coll, defer_gather=defer,
+                                  overlap_halo=self.overlap_halo).install()
             try:
-                return inner(inp, *args, **kwargs)
+                out = inner(inp, *args, **kwargs)
             finally:
                 split.remove()
+            if not defer:
+                return out
+            return ad.wrap(split.gather_output(ad.unwrap(out, kind)), kind, *args, **kwargs)
         return self._chunked(kind, inner, inp, *args, **kwargs)
 
     def _chunked(self, kind, inner, inp, *args, **kwargs):
         ad, comm = self.adapter, self.comm
         n = ad.num_units(inp, kind)
-        plan = plan_chunks(n, comm.size, overlap=self.overlap_for(kind), chunk_size=self.chunk_size)
+        plan = plan_chunks(n, comm.size, overlap=self.overlap_for(kind), chunk_size=self.chunk_size,
+                           cost=ad.chunk_cost_fn(kind))
         self.last_plan = plan
         full_shape = ad.out_shape(inp, kind)
         frames = {c.index: ad.out_frames(c.start, c.stop, kind) for c in plan.chunks}

@@ -194,9 +194,14 @@ def wan21_model(args):
     layout = ad.spatial_layout("decode")
     halo_elems = [0]
 
+    rows_of = dict((id(m), r) for m, r in layout.halo)
+    for first, second in layout.pairs:  # one exchange of both convs' rows before the first
+        rows_of[id(first)] += rows_of[id(second)]
+        rows_of[id(second)] = 0
+
     def pre(mod, a):
         x = a[0]
-        rows = dict((id(m), r) for m, r in layout.halo)[id(mod)]
+        rows = rows_of[id(mod)]
         per_row = x.numel() // x.shape[-2]
         cache = a[1] if len(a) > 1 and isinstance(a[1], torch.Tensor) else None
         if cache is not None:
@@ -218,7 +223,9 @@ def wan21_model(args):
     tput = args.assume_tflops * 1e12
     bw = args.assume_gbps * 1e9
     lat = args.assume_latency_us * 1e-6
-    n_halo_colls = len(layout.halo) * n  # one all_to_all per halo conv per frame call
+    # one all_to_all per frame call for each conv pair, other halo conv and stride-2 conv (1 row, not counted
+    # in the bytes above: < 1%)
+    n_halo_colls = (len(layout.halo) - len(layout.pairs) + len(layout.bottom_halo)) * n
     ov = ad.default_overlap
     lines = [f"Wan2.1 VAE decode, 480x832, 81 frames (21 latent frames), bf16: {flops / 1e12:.1f} TFLOP "
              f"(counted on the meta device); exact-mode halo rows sent by an inner rank {halo_elems[0] * 2 / 2**20:.0f} MiB "
@@ -234,16 +241,17 @@ def wan21_model(args):
         # exact: compute / P (+ 2 halo rows per band per conv ignored: < 1% at 60 latent rows / 8),
         # each rank exchanges with 2 neighbours, one collective per conv per frame, gather of the video
         t_ex = t1 / P + halo_elems[0] * 2 / bw + n_halo_colls * lat + video_bytes * (P - 1) / P / bw
-        plan_frames = max(c.frames + c.warmup for c in _plan(n, P, ov))
-        t_ch = t1 * plan_frames / n + video_bytes * (P - 1) / P / bw + lat
+        # the adapter's chunk cost (a fresh call's first frame is cheap) of the busiest rank over the whole
+        worst = max(ad.chunk_cost(c.warm_start, c.start, c.stop, "decode") for c in _plan(n, P, ov, ad))
+        t_ch = t1 * worst / ad.chunk_cost(0, 0, n, "decode") + video_bytes * (P - 1) / P / bw + lat
         lines.append(f"| {P} | {t_ex:.2f} ({t1 / t_ex:.2f}x) | {t_ch:.2f} ({t1 / t_ch:.2f}x) |")
     return "\n".join(lines)
 
 
-def _plan(n, P, ov):
+def _plan(n, P, ov, ad):
     from lite_boost.parallel.vae import plan_chunks
 
-    return plan_chunks(n, P, overlap=ov).chunks
+    return plan_chunks(n, P, overlap=ov, cost=ad.chunk_cost_fn("decode")).chunks
 
 
 def main(argv=None):

@@ -3,10 +3,18 @@
     python benchmarks/bench_sparse_speed.py            # S in {16384, 32760} x heads {1, 12}, fp32 + bf16
     python benchmarks/bench_sparse_speed.py --quick    # S = 8192, 1 head, 2 repetitions
 
-B = 1, D = 128, block 128, window (2, 8, 8), keep_sink=False (the computed fraction equals the
-budget), two threads. Masks come from selector="reference" (RainFusion 2.0's mean-pooled block
-scores, cheap); one extra cpp row at 0.8 uses the library's default selector ("subblock", estimated
-attention mass), whose scoring costs more. Baseline: PyTorch ``scaled_dot_product_attention`` in the same process.
+B = 1, D = 128, block 128, window (2, 8, 8), keep_sink=False, two threads. Masks come from
+selector="reference" (RainFusion 2.0's mean-pooled block scores, cheap); one extra cpp row at 0.8 uses
+the library's default selector ("subblock", estimated attention mass), whose scoring costs more.
+Baseline: PyTorch ``scaled_dot_product_attention`` in the same process.
+
+What is computed: the whole ``sparse_attention`` call (keep_sink=False, other arguments at their
+defaults) keeps ``ceil((1-s) * kv_blocks)`` blocks per query block and then forces each query
+block's diagonal block on top (``keep_recent``, budget="reference"), so it computes slightly more
+than 1-s of the blocks (effective-sparsity column). The "kernel only" timing measures the kernel
+against the nominal ideal 1/(1-s), so it runs on a selection of exactly ``ceil((1-s) * kv_blocks)``
+blocks per row (same selector, ``keep_recent=False``; "kernel density" column); the only excess
+over 1-s left there is the rounding up of the block count.
 Each repetition runs dense SDPA, then every (sparsity, backend) configuration once (interleaved);
 medians are reported. Backends: "cpp" (the C++ kernel, torch.ops.lite_boost) at every sparsity
 including 0 (every block selected: sparse_attention would run dense SDPA there, so that row times
@@ -21,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +45,8 @@ from lite_boost.ops.sparse import SparseStats, sparse_attention
 WINDOW = (2, 8, 8)
 BLOCK = 128
 HEADERS = ["S", "heads", "dtype", "sparsity", "backend", "selector", "effective sparsity", "dense SDPA s", "sparse call s",
-           "speed-up", "ideal", "% of ideal", "kernel only s", "kernel speed-up", "kernel % of ideal", "kernel % of ideal at effective sparsity", "runs"]
+           "speed-up", "ideal", "% of ideal", "kernel density", "kernel only s", "kernel speed-up", "kernel % of ideal",
+           "kernel % of ideal at its density", "runs"]
 
 
 def configs(heads, backends, sparsities, big=False):
@@ -53,7 +64,7 @@ def configs(heads, backends, sparsities, big=False):
     return out
 
 
-def run_shape(s, heads, dtype, backends, sparsities, reps, d=128):
+def run_shape(s, heads, dtype, backends, sparsities, reps, d=128, kernel_only=False):
     grid = GRIDS[s]
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, heads, s, d, generator=gen).to(dtype) for _ in range(3))
@@ -72,15 +83,23 @@ def run_shape(s, heads, dtype, backends, sparsities, reps, d=128):
                                 sparsity=sp, window=WINDOW, keep_sink=False, backend=backend, selector=selector,
                                 return_stats=True)
 
-    stats, prepared = {}, {}
+    stats, prepared, kdens = {}, {}, {}
     order = token_order(grid, WINDOW, 0).perm
     qc, kc, vc = (t.index_select(2, order) for t in (q, k, v))
     for cfg in cfgs:  # warm-up: compiles flex, computes the masks the kernel-only timing reuses
         if cfg[0] == 0.0:
             prepared[cfg] = (q, k, v, full_idx, full_num)
+            kdens[cfg] = 1.0
             continue
-        st = call(*cfg)[1]
-        prepared[cfg] = (qc, kc, vc, st.selection.select_idx, st.selection.select_num)
+        stats[cfg] = call(*cfg)[1]
+        # kernel-only selection: exactly ceil((1-s) * kv_blocks) blocks per row (no forced diagonal)
+        sel = sparse_attention(q, k, v, head_num=heads, sparse_type="rf_v2", block_size=BLOCK, latent_shape_q=grid,
+                               sparsity=cfg[0], window=WINDOW, keep_sink=False, keep_recent=False, backend=cfg[1],
+                               selector=cfg[2], return_stats=True)[1].selection
+        keep = math.ceil((1.0 - cfg[0]) * nb - 1e-9)
+        assert bool((sel.select_num == keep).all()), (keep, sel.select_num.min(), sel.select_num.max())
+        prepared[cfg] = (qc, kc, vc, sel.select_idx, sel.select_num)
+        kdens[cfg] = keep / nb
 
     def kernel(cfg):
         a, b, c, idx, num = prepared[cfg]
@@ -92,12 +111,17 @@ def run_shape(s, heads, dtype, backends, sparsities, reps, d=128):
     for _ in range(reps):
         dense_t.append(timed(lambda: F.scaled_dot_product_attention(q, k, v))[0])
         for cfg in cfgs:
-            t, (_, st) = timed(lambda: call(*cfg))
-            sparse_t[cfg].append(t)
-            stats[cfg] = st
             if cfg[0] == 0.0:
+                t, (_, st) = timed(lambda: call(*cfg))
+                sparse_t[cfg].append(t)
+                stats[cfg] = st
                 kern_t[cfg].append(t)
-            elif (heads == 1 or cfg[1] == "cpp") and cfg[2] == "reference":
+                continue
+            if not kernel_only:
+                t, (_, st) = timed(lambda: call(*cfg))
+                sparse_t[cfg].append(t)
+                stats[cfg] = st
+            if (heads == 1 or cfg[1] == "cpp") and cfg[2] == "reference":
                 kern_t[cfg].append(timed(lambda: kernel(cfg))[0])
     dm = median(dense_t)
     rows, data = [], []
@@ -105,12 +129,12 @@ def run_shape(s, heads, dtype, backends, sparsities, reps, d=128):
         sp, backend, selector = cfg
         st = stats[cfg]
         assert st.backend == backend, (st.backend, backend)
-        fm = median(sparse_t[cfg])
+        fm = median(sparse_t[cfg]) if sparse_t[cfg] else float("nan")
         km = median(kern_t[cfg]) if kern_t[cfg] else float("nan")
         ideal = 1.0 / (1.0 - sp)
         rec = dict(S=s, heads=heads, grid=grid, dtype=str(dtype).replace("torch.", ""), sparsity=sp, backend=backend,
                    selector=selector,
-                   effective_sparsity=round(st.effective_sparsity, 4), dense_s=dm, sparse_s=fm, speedup=dm / fm,
+                   effective_sparsity=round(st.effective_sparsity, 4), kernel_density=round(kdens[cfg], 4), dense_s=dm, sparse_s=fm, speedup=dm / fm,
                    ideal=ideal, frac_ideal=dm / fm / ideal, kernel_s=km, kernel_speedup=dm / km,
                    kernel_frac_ideal=dm / km / ideal, reps=reps, dense_all=dense_t, sparse_all=sparse_t[cfg],
                    kernel_all=kern_t[cfg])
@@ -122,9 +146,10 @@ def run_shape(s, heads, dtype, backends, sparsities, reps, d=128):
 
 def row_of(r):
     dm, fm, km, ideal, eff = r["dense_s"], r["sparse_s"], r["kernel_s"], r["ideal"], r["effective_sparsity"]
+    kd = r.get("kernel_density", 1.0 - eff)  # results of older runs: the kernel ran the whole call's selection
     return [r["S"], r["heads"], r["dtype"], r["sparsity"], r["backend"], r["selector"], f"{eff:.3f}", f"{dm:.3f}",
-            f"{fm:.3f}", f"{dm / fm:.2f}x", f"{ideal:.2f}x", f"{100 * dm / fm / ideal:.0f}%", f"{km:.3f}",
-            f"{dm / km:.2f}x", f"{100 * dm / km / ideal:.0f}%", f"{100 * dm / km * (1.0 - eff):.0f}%", r["reps"]]
+            f"{fm:.3f}", f"{dm / fm:.2f}x", f"{ideal:.2f}x", f"{100 * dm / fm / ideal:.0f}%", f"{kd:.3f}", f"{km:.3f}",
+            f"{dm / km:.2f}x", f"{100 * dm / km / ideal:.0f}%", f"{100 * dm / km * kd:.0f}%", r["reps"]]
 
 
 def plot(data, path):
@@ -143,7 +168,8 @@ def plot(data, path):
             for s in sorted({r["S"] for r in data}):
                 for h in sorted({r["heads"] for r in data}):
                     pts = sorted((r for r in data if r["dtype"] == dtype and r["S"] == s and r["heads"] == h
-                                  and r["backend"] == backend and r["selector"] != "subblock"),
+                                  and r["backend"] == backend and r["selector"] != "subblock"
+                                  and r["speedup"] == r["speedup"]),
                                  key=lambda r: r["sparsity"])
                     if pts:
                         ax.plot([r["sparsity"] for r in pts], [r["speedup"] for r in pts], style[backend],
@@ -169,6 +195,10 @@ def main():
     ap.add_argument("--heads", default="1,12")
     ap.add_argument("--backends", default="cpp,flex,gather")
     ap.add_argument("--append", action="store_true", help="keep the shapes already in the results file")
+    ap.add_argument("--kernel-only", action="store_true",
+                    help="time SDPA and the kernel only (no whole-call timing; for the slow 12-head shapes)")
+    ap.add_argument("--sparsities", default="0.5,0.8,0.9")
+    ap.add_argument("--name", default=None, help="results file name (default sparse_speed / sparse_speed_quick)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lib = _ext.load()
@@ -178,7 +208,7 @@ def main():
         seq = [int(x) for x in args.seq.split(",")]
     heads = [1] if args.quick else [int(x) for x in args.heads.split(",")]
     dtypes = [getattr(torch, x) for x in args.dtypes.split(",")]
-    name = "sparse_speed_quick" if args.quick else "sparse_speed"
+    name = args.name or ("sparse_speed_quick" if args.quick else "sparse_speed")
     rows, data = [], []
     if args.append and (RESULTS / f"{name}.json").is_file():  # continue an interrupted run
         data = json.loads((RESULTS / f"{name}.json").read_text())
@@ -195,14 +225,19 @@ def main():
                     reps = args.reps if s < 32760 else min(args.reps, 3)
                 else:
                     reps = args.reps_big
-                r, d = run_shape(s, h, dtype, backends, [0.5, 0.8, 0.9], reps)
+                r, d = run_shape(s, h, dtype, backends, [float(x) for x in args.sparsities.split(",")], reps,
+                                 kernel_only=args.kernel_only)
                 rows += r
                 data += d
                 text = (f"### sparse_attention speed vs dense SDPA, per block-sparse backend\n\n{environment()}; "
+                        f"load average at the end {os.getloadavg()[0]:.2f}; "
                         f"B=1, D=128, block 128, window {WINDOW}, keep_sink=False, medians of interleaved runs "
                         "(runs column). 'sparse call' = the whole sparse_attention call (reorder, pool, select, "
-                        "kernel, inverse); 'kernel only' = rain_fusion_attention on the already reordered tensors "
-                        "with the same selection (1-head shapes: every backend; 12 heads: cpp). "
+                        "kernel, inverse; keep_sink=False, diagonal block forced on top); 'kernel only' = "
+                        "rain_fusion_attention on the already reordered tensors with the same selector but exactly "
+                        "ceil((1-s) * kv_blocks) blocks per row ('kernel density'; 1-head shapes: every backend; "
+                        "12 heads: cpp)"
+                        + ("; whole call not timed (--kernel-only)" if args.kernel_only else "") + ". "
                         f"C++ library: {'built' if lib.loaded else 'not built: ' + str(lib.reason)}"
                         "\n\n" + markdown_table(HEADERS, rows))
                 write(name, text, data)

@@ -1,12 +1,14 @@
 // CPU kernel of lite_boost::rain_fusion_attention: flash-style block-sparse attention.
 //
 // Work item = (batch, query head, query block). For each item the selected KV blocks are walked in
-// ascending order and grouped into tiles of up to kMaxKvTile tokens: one run of consecutive blocks is
-// read in place, several runs are copied into a per-thread tile buffer (a few hundred KiB at most).
-// Per tile: S = scale * Q K^T (BLAS sgemm, fp32), online softmax update of the running row max / sum
-// (vectorised with at::vec), O = O * correction + P V (sgemm, accumulate). Nothing of size S x S and no
-// gathered copy of K/V exists: fp32 inputs are read in place through their strides; fp16/bf16 tiles are
-// widened into small per-thread buffers. Items are handed out dynamically (atomic counter) to
+// ascending order and grouped into tiles of up to kMaxKvTile tokens: the K rows of one run of consecutive
+// blocks are read in place, those of several runs are copied into a per-thread tile buffer (256 KiB at
+// most), so each tile costs one S GEMM and one softmax pass. Per tile: S = scale * Q K^T (BLAS, fp32
+// output), online softmax update of the running row max / sum (vectorised with at::vec), O = O * correction
+// + P V with one accumulating GEMM per run that reads V in place (V is never copied: BLAS streams it
+// unpacked anyway, and copying it cost ~6% of the sparse kernel's time at S = 32,760). Nothing of size
+// S x S and no gathered copy of K/V exists; fp16/bf16 go through MKL's 16-bit GEMMs in place (or are
+// widened into small per-thread buffers where those are missing). Items are handed out dynamically (atomic counter) to
 // at::parallel_for's threads, because rows select different numbers of blocks.
 #include "vec_config.h"
 
@@ -165,15 +167,14 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
       w.acc.resize(bq * dv);
       w.m.resize(bq);
       w.l.resize(bq);
-      std::vector<T> p16, k_buf16, v_buf16;
+      std::vector<T> p16, k_buf16;
       std::vector<int64_t> seg_tok(kv_tile / bk + 1), seg_len(kv_tile / bk + 1);
       if (half_mode) {
         p16.resize(bq * kv_tile);
         k_buf16.resize(kv_tile * d);
-        v_buf16.resize(kv_tile * dv);
       } else {
         w.k.resize(kv_tile * d);
-        w.v.resize(kv_tile * dv);
+        if (!kF32) w.v.resize(kv_tile * dv);
         if (!kF32) w.q.resize(bq * d);
       }
       for (int64_t item = next.fetch_add(1); item < total; item = next.fetch_add(1)) {
@@ -212,8 +213,6 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
         const int64_t kv_len = p.kv_lens[b];
         for (int64_t j = 0; j < n_sel;) {
           // One tile = up to kv_tile tokens of selected blocks, as segments (runs of consecutive blocks).
-          // A single segment is read in place (fp32 / 16-bit GEMM); several are copied into the per-thread
-          // tile buffers so that each tile costs two large GEMMs and one softmax pass, not one per block.
           int64_t nseg = 0, kn = 0;
           while (j < n_sel) {
             const int64_t start = sel[j];
@@ -228,35 +227,31 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
             seg_len[nseg] = std::min(stop * bk, kv_len) - start * bk;
             kn += seg_len[nseg++];
           }
-          const bool in_place = nseg == 1 && (kF32 || half_mode);
-          const float *k_tile = nullptr, *v_tile = nullptr;
-          const T *k16 = nullptr, *v16 = nullptr;
-          int64_t ldk = d, ldv = dv;
-          if (in_place) {
+          // K: a single segment is read in place; several are copied into the per-thread tile buffer, so
+          // that S = Q K^T is one GEMM and the softmax one pass per tile, not one per block. V is always read
+          // in place (fp32 / 16-bit GEMM): P V is one GEMM per segment accumulating into acc, which costs no
+          // more than one GEMM over the tile (BLAS reads V unpacked either way) and saves copying V.
+          const bool in_place = kF32 || half_mode;  // V (and a single-segment K) read through their strides
+          const float* k_tile = nullptr;
+          const T* k16 = nullptr;
+          int64_t ldk = d;
+          if (in_place && nseg == 1) {
             k16 = K.at(b, kvh, seg_tok[0]);
-            v16 = V.at(b, kvh, seg_tok[0]);
             ldk = K.tok_stride;
-            ldv = V.tok_stride;
-            if constexpr (kF32) {
-              k_tile = k16;
-              v_tile = v16;
-            }
+            if constexpr (kF32) k_tile = k16;
           } else if (half_mode) {
             for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
               for (int64_t r = 0; r < seg_len[sg]; ++r) {
                 std::memcpy(k_buf16.data() + (off + r) * d, K.at(b, kvh, seg_tok[sg] + r), d * sizeof(T));
-                std::memcpy(v_buf16.data() + (off + r) * dv, V.at(b, kvh, seg_tok[sg] + r), dv * sizeof(T));
               }
             }
             k16 = k_buf16.data();
-            v16 = v_buf16.data();
           } else {
             for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
               widen(K.at(b, kvh, seg_tok[sg]), K.tok_stride, w.k.data() + off * d, d, seg_len[sg], d);
-              widen(V.at(b, kvh, seg_tok[sg]), V.tok_stride, w.v.data() + off * dv, dv, seg_len[sg], dv);
+              if (!in_place) widen(V.at(b, kvh, seg_tok[sg]), V.tok_stride, w.v.data() + off * dv, dv, seg_len[sg], dv);
             }
             k_tile = w.k.data();
-            v_tile = w.v.data();
           }
           float* s = w.s.data();
           // S (rows x kn, row stride kn) = scale * Q K^T
@@ -294,13 +289,20 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
             }
           }
           // acc (rows x dv) (+)= P V
-          if (half_mode) {
-            if constexpr (!kF32) {
-              from_float(s, p16.data(), rows * kn);
-              half_gemm<T>(false, rows, dv, kn, 1.f, p16.data(), kn, v16, ldv, first ? 0.f : 1.f, w.acc.data(), dv);
+          if (in_place) {
+            if constexpr (!kF32) from_float(s, p16.data(), rows * kn);
+            for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
+              const float beta = first && sg == 0 ? 0.f : 1.f;
+              const T* v_seg = V.at(b, kvh, seg_tok[sg]);
+              if constexpr (kF32) {
+                gemm_nn(rows, dv, seg_len[sg], 1.f, s + off, kn, v_seg, V.tok_stride, beta, w.acc.data(), dv);
+              } else {
+                half_gemm<T>(false, rows, dv, seg_len[sg], 1.f, p16.data() + off, kn, v_seg, V.tok_stride, beta,
+                             w.acc.data(), dv);
+              }
             }
           } else {
-            gemm_nn(rows, dv, kn, 1.f, s, kn, v_tile, ldv, first ? 0.f : 1.f, w.acc.data(), dv);
+            gemm_nn(rows, dv, kn, 1.f, s, kn, w.v.data(), dv, first ? 0.f : 1.f, w.acc.data(), dv);
           }
           first = false;
         }

@@ -70,6 +70,7 @@ def measure(method, s, heads, dtype, grid, sparsity=0.8):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--backends", default="cpp,flex,gather", help="comma list of block-sparse backends at s=0.8")
     args = ap.parse_args()
     if args.quick:
         cases = [(8192, 4, "float32", (8, 32, 32))]
@@ -77,7 +78,7 @@ def main():
         cases = [(16384, 12, "float32", (16, 32, 32)), (16384, 12, "bfloat16", (16, 32, 32))]
     rows, data = [], []
     mib = 1 << 20
-    methods = [("cpp", 0.0), ("cpp", 0.8), ("flex", 0.8), ("gather", 0.8)]
+    methods = [("cpp", 0.0)] + [(b, 0.8) for b in args.backends.split(",")]
     for s, heads, dtype, grid in cases:
         dense = measure("sdpa", s, heads, dtype, grid)
         # warm-up leaves imported modules and compiled code resident: count only what the timed call adds

@@ -36,8 +36,8 @@ import math
 
 import torch
 
-__all__ = ["pool_blocks", "query_summary", "key_summary", "subblock_scores", "block_scores", "select_blocks", "forced_blocks", "SELECTORS",
-           "BUDGETS"]
+__all__ = ["pool_blocks", "query_summary", "key_summary", "subblock_scores", "block_scores", "select_blocks",
+           "forced_blocks", "SELECTORS", "BUDGETS"]
 
 SELECTORS = ("subblock", "reference")
 BUDGETS = ("reference", "total")

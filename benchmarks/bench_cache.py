@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 # Narrow and attention-heavy, like the main job: Wan's head_dim 128 and patch, 4 blocks so that a
 # first-block cache has blocks to skip; the transformer is all that is timed (latent output).
 SPEC = dict(heads=2, head_dim=128, layers=4, ffn_dim=256)
-SHAPE = (256, 320, 17)  # 5 x 16 x 20 = 1,600 tokens
+SHAPE = (192, 256, 17)  # 5 x 12 x 16 = 960 tokens
 STEPS = 10
 SPARSE = {"sparse_type": "rf_v2", "sparsity": 0.8, "block_size": 128}
 TAYLOR = "taylor_factors_dtype=float32"
@@ -60,12 +60,12 @@ METHODS = ("first_block_cache", "mag_cache", "taylorseer_cache", "pyramid_attent
 
 # {fbc_lo} / {fbc_mid} / {fbc_hi}: First-Block-Cache thresholds from the calibrated statistic's quantiles;
 # {mag}: the calibrated magnitude ratios. Settings marked sparse / parallel also run in those parts.
-SETTINGS = [
-    ("first_block_cache:threshold={fbc_lo}", ()),
+SETTINGS = [  # per method, the one also run in the sparse / parallel parts first (see --per-method)
     ("first_block_cache:threshold={fbc_mid}", ("sparse", "parallel")),
     ("first_block_cache:threshold={fbc_hi}", ()),
-    ("mag_cache:threshold=0.01,{mag}", ()),
+    ("first_block_cache:threshold={fbc_lo}", ()),
     ("mag_cache:threshold=0.03,{mag}", ("sparse", "parallel")),
+    ("mag_cache:threshold=0.01,{mag}", ()),
     ("mag_cache:threshold=0.1,{mag}", ()),
     ("taylorseer_cache:cache_interval=2,disable_cache_before_step=2," + TAYLOR, ("sparse", "parallel")),
     ("taylorseer_cache:cache_interval=4,disable_cache_before_step=2," + TAYLOR, ()),
@@ -133,10 +133,15 @@ def calibrate() -> dict:
             **{k: float(f"{v:.3g}") for k, v in q.items()}}
 
 
-def settings_for(part: str, cal: dict, methods) -> list[str]:
-    out = []
+def settings_for(part: str, cal: dict, methods, per_method: int | None = None, skip: int = 0) -> list[str]:
+    """The part's settings of ``methods``: per method, settings skip .. skip + per_method - 1 (all if None)."""
+    out, seen = [], {}
     for template, parts in SETTINGS:
-        if template.split(":")[0] not in methods or (part != "single" and part not in parts):
+        method = template.split(":")[0]
+        if method not in methods or (part != "single" and part not in parts):
+            continue
+        i = seen[method] = seen.get(method, -1) + 1
+        if i < skip or (per_method is not None and i >= skip + per_method):
             continue
         out.append(template.format(mag=cal["mag"], **{k: cal[k] for k in FBC_QUANTILES}))
     return out
@@ -144,7 +149,11 @@ def settings_for(part: str, cal: dict, methods) -> list[str]:
 
 # ------------------------------------------------------------------------------------ measurement
 def compare(spec: str, repeats: int, sparse=None, pipes=None):
-    """Median denoise time uncached vs cached (interleaved), reuse counts, PSNR. Returns a dict."""
+    """Median denoise time uncached vs cached (interleaved), reuse counts, PSNR. Returns a dict.
+
+    ``pipes``: (uncached, cached) pipelines, the uncached one already warmed up (it is shared by the
+    settings of a part; the same weights as the cached one).
+    """
     import lite_boost
     from lite_boost.cache import count_block_work
 
@@ -152,7 +161,9 @@ def compare(spec: str, repeats: int, sparse=None, pipes=None):
     base_cfg = {"sparse": sparse} if sparse else {}
     base = pipes[0] if pipes else lite_boost.boost(_pipe(), base_cfg)
     cached = pipes[1] if pipes else lite_boost.boost(_pipe(), dict(base_cfg, cache=spec))
-    _timed(base), _timed(cached)  # warm-up (one-time costs)
+    if not pipes:
+        _timed(base)
+    _timed(cached)  # warm-up (one-time costs)
     tb, tc = [], []
     for _ in range(repeats):
         t, ref = _timed(base)
@@ -188,6 +199,7 @@ def _rank(rank, world, init_method, specs, repeats, threads, rows_path, extra, s
     cfg = {"parallel": {"timeout_s": 600}}
     mesh = initialize_usp(cfg, init_method=init_method)
     base = ParallelManager(_pipe(), cfg, mesh=mesh)
+    _timed(base)  # warm-up
     for spec in specs:
         cached = ParallelManager(_pipe(), dict(cfg, cache=spec), mesh=mesh)
         row = compare(spec, repeats, pipes=(base, cached))
@@ -271,6 +283,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--part", choices=["calibrate", "single", "sparse", "parallel"], default=None)
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
+    ap.add_argument("--per-method", type=int, default=None, help="at most this many settings per method")
+    ap.add_argument("--skip", type=int, default=0, help="skip each method's first settings (with --per-method)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rows", default=os.path.join(HERE, "results", "cache_rows.jsonl"))
@@ -296,15 +310,21 @@ def main():
     elif args.part is not None:
         with open(args.calibration) as fh:
             cal = json.load(fh)
-        specs = settings_for(args.part, cal, methods)
+        specs = settings_for(args.part, cal, methods, args.per_method, args.skip)
         extra = {"part": args.part, "tokens": _tokens(), "steps": STEPS, "spec": SPEC,
                  "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
         if args.part == "parallel":
             run_two_processes(specs, args.repeats, max(1, args.threads // 2), args.rows, extra)
         else:
+            import lite_boost
+
+            base_cfg = {"sparse": SPARSE} if args.part == "sparse" else {}
+            base = lite_boost.boost(_pipe(), base_cfg)
+            _timed(base)  # warm-up, once for the part
             for spec in specs:
-                _append(args.rows, {**extra, **compare(spec, args.repeats,
-                                                         sparse=SPARSE if args.part == "sparse" else None)})
+                cached = lite_boost.boost(_pipe(), dict(base_cfg, cache=spec))
+                _append(args.rows, {**extra, **compare(spec, args.repeats, pipes=(base, cached))})
+                del cached
     if args.assemble:
         with open(args.calibration) as fh:
             cal = json.load(fh)

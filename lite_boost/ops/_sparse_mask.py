@@ -57,7 +57,7 @@ def pool_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def block_scores(q: torch.Tensor, k: torch.Tensor, block: int, scale: float, selector: str = "reference",
-                 q_reps: int = 16, k_reps: int = 8, variance: bool = True, k_outliers: int = 4):
+                 q_reps: int = 32, k_reps: int = 8, variance: bool = True, k_outliers: int = 4):
     """Score every (query block, key block) pair of reordered q (B, N1, Sq, D) and k (B, N2, Skv, D).
 
     Returns (score, probs), both fp32 (B, N1, nqb, nkb): ``score`` ranks the key blocks of a row

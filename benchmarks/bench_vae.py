@@ -108,12 +108,12 @@ def _rank(rank, world, init_file, args, out_dir):
         for rep in range(args.repeats):
             for kind in args.kinds:
                 dist.barrier()
-                base_t = base_mem = None
+                base_t = base_mem = base_cpu = None
                 if rank == 0:  # the 1 x 1 baseline: stock sequential call, rank 1 waits in the barrier
                     with PeakRSS() as m:
-                        t0 = time.perf_counter()
+                        t0, c0 = time.perf_counter(), time.process_time()
                         ref = calls[kind]()
-                        base_t = time.perf_counter() - t0
+                        base_t, base_cpu = time.perf_counter() - t0, time.process_time() - c0
                     base_mem = m.growth
                 dist.barrier()
                 for mode, overlap in args.runs:
@@ -121,15 +121,16 @@ def _rank(rank, world, init_file, args, out_dir):
                     stats.reset()
                     dist.barrier()
                     with PeakRSS() as m:
-                        t0 = time.perf_counter()
+                        t0, c0 = time.perf_counter(), time.process_time()
                         out = calls[kind]()
-                        par_t = time.perf_counter() - t0
+                        par_t, par_cpu = time.perf_counter() - t0, time.process_time() - c0
                     dist.barrier()
                     sent = sum(stats.bytes_sent.values())
                     ncoll = sum(stats.calls.values())
                     unparallelize_vae(vae)
                     diff = (out - ref).abs().max().item() if rank == 0 else None
                     res.append(dict(rep=rep, mode=mode, kind=kind, base_t=base_t, base_mem=base_mem, par_t=par_t,
+                                    base_cpu=base_cpu, par_cpu=par_cpu,
                                     par_mem=m.growth, sent=sent, collectives=ncoll,
                                     overlap=runner.overlap_for(kind) if mode == "chunked" else None, diff=diff,
                                     shape=tuple(out.shape)))
@@ -171,7 +172,9 @@ def measure(args):
             r0, r1 = pick(per_rank[0]), pick(per_rank[1])
             base = statistics.median(x["base_t"] for x in r0)
             par = statistics.median(max(a["par_t"], b["par_t"]) for a, b in zip(r0, r1))
-            rows.append(dict(mode=mode, kind=kind, base=base, par=par, speedup=base / par,
+            cpu_ratio = statistics.median(x["base_cpu"] for x in r0) / statistics.median(
+                max(a["par_cpu"], b["par_cpu"]) for a, b in zip(r0, r1))
+            rows.append(dict(mode=mode, kind=kind, base=base, par=par, speedup=base / par, cpu_ratio=cpu_ratio,
                              base_mem=max(x["base_mem"] for x in r0) / 2**20,
                              mem0=max(x["par_mem"] for x in r0) / 2**20, mem1=max(x["par_mem"] for x in r1) / 2**20,
                              sent=max(x["sent"] for x in r0 + r1) / 2**20, coll=r0[0]["collectives"],
@@ -282,13 +285,14 @@ def main(argv=None):
               f"{1 + 4 * (args.latent_frames - 1)} x {args.height} x {args.width} video; 1 process x 1 thread vs "
               f"2 processes x 1 thread (gloo); median of {args.repeats} interleaved runs\n")
         print("| mode | call | 1x1 s | 2x1 s | speedup | max abs diff vs 1x1 | peak RSS growth MiB 1x1 / r0 / r1 "
-              "| MiB sent per rank | collectives |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "| MiB sent per rank | collectives | CPU-time ratio |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             mode = r["mode"] + (f" (overlap {r['overlap']})" if r["overlap"] else "")
             mode += " (default)" if r["mode"] == "chunked" and not args.overlaps else ""
             print(f"| {mode} | {r['kind']} | {r['base']:.2f} | {r['par']:.2f} | {r['speedup']:.2f}x | {r['diff']:.1e} | "
-                  f"{r['base_mem']:.0f} / {r['mem0']:.0f} / {r['mem1']:.0f} | {r['sent']:.1f} | {r['coll']} |")
+                  f"{r['base_mem']:.0f} / {r['mem0']:.0f} / {r['mem1']:.0f} | {r['sent']:.1f} | {r['coll']} | "
+                  f"{r['cpu_ratio']:.2f}x |")
         print("\nruns (1x1 s, 2x1 s):", {f"{r['mode']}{r['overlap'] or ''}/{r['kind']}": r["runs"] for r in rows})
     print()
     print(wan21_model(args))

@@ -439,6 +439,25 @@ class _Collectives:
 
 
 # ------------------------------------------------------------------------------------------ exact mode
+
+def _tensor_args(args, kwargs):
+    """The tensors among a call's positional and keyword arguments, in order, and a function that
+    rebuilds (args, kwargs) with replacements for them."""
+    idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    tensors = [args[i] for i in idx] + [kwargs[k] for k in keys]
+
+    def rebuild(new):
+        a, kw = list(args), dict(kwargs)
+        for j, i in enumerate(idx):
+            a[i] = new[j]
+        for j, k in enumerate(keys):
+            kw[k] = new[len(idx) + j]
+        return tuple(a), kw
+
+    return tensors, rebuild
+
+
 class _Band:
     """The row split of the network call in progress (None between calls): rank band sizes at root level."""
 
@@ -520,6 +539,25 @@ class _SpatialSplit:
                                                                    self.coll.comm.rank))
 
     # --- halo convolutions
+    def _halo_extent(self, rows, first_of, band_rows) -> tuple[int, bool]:
+        """(rows to exchange, merged) for one halo module. The first of a pair (``first_of=(second_module,
+        rows2)``) also carries the second's halo when every band has room for both: the same decision on
+        every rank (from the global band sizes at this resolution), recorded for the second."""
+        if first_of is None:
+            return rows, False
+        partner, rows2 = first_of
+        merged = min(self.band.sizes_like(band_rows, self.coll.comm.rank)) >= rows + rows2
+        self.merged[id(partner)] = merged
+        return (rows + rows2 if merged else rows), merged
+
+    def _zero_outer_rows(self, out: torch.Tensor, rows2: int) -> None:
+        """Zero the rows a merged first conv computed beyond the image edge (the second's zero padding)."""
+        dim, comm = self.DIM, self.coll.comm
+        if comm.rank == 0:
+            out.narrow(dim, 0, rows2).zero_()
+        if comm.rank == comm.size - 1:
+            out.narrow(dim, out.shape[dim] - rows2, rows2).zero_()
+
     def _halo_hooks(self, rows, first_of: tuple | None = None, second: bool = False):
         """Pre/post hooks of one halo module. ``first_of=(second_module, rows2)``: the first of a pair;
         ``second``: the second of a pair (reads its halo from the first's wider output when merged)."""
@@ -531,26 +569,10 @@ class _SpatialSplit:
                 return None
             if second and self.merged.get(id(module)):
                 return None  # the input (and the cached rows) already carry the halo
-            idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-            keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-            tensors = [args[i] for i in idx] + [kwargs[k] for k in keys]
-            ext = rows
-            if first_of is not None:
-                partner, rows2 = first_of
-                # the same decision on every rank: from the global band sizes at this resolution
-                merge = min(self.band.sizes_like(tensors[0].shape[dim], self.coll.comm.rank)) >= rows + rows2
-                self.merged[id(partner)] = merge
-                if merge:
-                    ext = rows + rows2
+            tensors, rebuild = _tensor_args(args, kwargs)
+            ext, _ = self._halo_extent(rows, first_of, tensors[0].shape[dim])
             halos = self.coll.halo(tensors, dim, ext, ext)
-            ext_t = [torch.cat([p, t, n], dim=dim) for t, (p, n) in zip(tensors, halos)]
-            args = list(args)
-            for j, i in enumerate(idx):
-                args[i] = ext_t[j]
-            kwargs = dict(kwargs)
-            for j, k in enumerate(keys):
-                kwargs[k] = ext_t[len(idx) + j]
-            return tuple(args), kwargs
+            return rebuild([torch.cat([p, t, n], dim=dim) for t, (p, n) in zip(tensors, halos)])
 
         def post(module, args, output):
             if self.band.sizes is None:
@@ -558,12 +580,7 @@ class _SpatialSplit:
             if not unpadded:
                 return output.narrow(dim, rows, output.shape[dim] - 2 * rows)
             if first_of is not None and self.merged.get(id(first_of[0])):
-                rows2 = first_of[1]  # rows beyond the image edge: the second's zero padding
-                comm = self.coll.comm
-                if comm.rank == 0:
-                    output.narrow(dim, 0, rows2).zero_()
-                if comm.rank == comm.size - 1:
-                    output.narrow(dim, output.shape[dim] - rows2, rows2).zero_()
+                self._zero_outer_rows(output, first_of[1])
             return None
 
         return pre, post
@@ -578,25 +595,13 @@ class _SpatialSplit:
         def forward(*args, **kwargs):
             if self.band.sizes is None or (second and self.merged.get(id(module))):
                 return orig(*args, **kwargs)  # not split / the input already carries the halo
-            idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-            keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-            tensors = [args[i] for i in idx] + [kwargs[k] for k in keys]
+            tensors, rebuild = _tensor_args(args, kwargs)
 
             def call(ts):
-                a, kw = list(args), dict(kwargs)
-                for j, i in enumerate(idx):
-                    a[i] = ts[j]
-                for j, k in enumerate(keys):
-                    kw[k] = ts[len(idx) + j]
+                a, kw = rebuild(ts)
                 return orig(*a, **kw)
 
-            ext, merged = rows, False
-            if first_of is not None:
-                partner, rows2 = first_of
-                merged = min(self.band.sizes_like(tensors[0].shape[dim], self.coll.comm.rank)) >= rows + rows2
-                self.merged[id(partner)] = merged
-                if merged:
-                    ext = rows + rows2
+            ext, merged = self._halo_extent(rows, first_of, tensors[0].shape[dim])
             band = tensors[0].shape[dim]
             if band > 2 * rows:
                 finish = self.coll.halo(tensors, dim, ext, ext, wait=False)
@@ -610,12 +615,7 @@ class _SpatialSplit:
                 halos = self.coll.halo(tensors, dim, ext, ext)
                 out = call([torch.cat([p, t, n], dim=dim) for t, (p, n) in zip(tensors, halos)])
             if merged:
-                rows2 = first_of[1]  # rows beyond the image edge: the second's zero padding
-                comm = self.coll.comm
-                if comm.rank == 0:
-                    out.narrow(dim, 0, rows2).zero_()
-                if comm.rank == comm.size - 1:
-                    out.narrow(dim, out.shape[dim] - rows2, rows2).zero_()
+                self._zero_outer_rows(out, first_of[1])
             return out
 
         return forward

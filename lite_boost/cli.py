@@ -238,7 +238,8 @@ def _boost_config(args):
 
     if args.config:
         return BoostConfig.from_yaml(args.config)
-    sparse = SparseConfig(sparsity=_sparsity(args)) if _sparsity(args) > 0 else None
+    sparsity = _sparsity(args)
+    sparse = SparseConfig(sparsity=sparsity) if sparsity > 0 else None
     parallel = ParallelConfig(sequence_degree=args.sequence_degree, cfg_degree=args.cfg_degree,
                               vae_parallel=getattr(args, "vae_parallel", None), vae_overlap=getattr(args, "vae_overlap", None))
     cache = CacheConfig.parse(args.cache) if args.cache else None

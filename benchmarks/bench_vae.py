@@ -78,10 +78,34 @@ class PeakRSS:
         self.growth = self.peak - self.base
 
 
+def _setup_process(rank, args):
+    """Per-rank process setup shared by the baseline and the parallel runs (so both get it):
+    ``--pin`` binds rank r to CPU core r (one core per rank, as an HPC launcher would);
+    ``--malloc keep`` stops glibc from returning freed memory to the OS (no mmap'd chunks, no
+    trimming), so a call's big temporaries (slow_conv3d's im2col buffers) are not page-faulted
+    afresh every time."""
+    if args.pin:
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    if args.malloc == "keep":
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_max = -1, -4
+        if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 1 << 40)):
+            raise SystemExit("mallopt failed")
+
+
+def _setup_desc(args) -> str:
+    return (("ranks pinned to one core each" if args.pin else "ranks not pinned") + "; glibc malloc "
+            + ("keeping freed memory (mmap off, no trim)" if args.malloc == "keep" else "defaults"))
+
+
 # ------------------------------------------------------------------------------------------ rank body
 def _rank(rank, world, init_file, args, out_dir):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+    _setup_process(rank, args)
     import torch.distributed as dist
     from diffusers import AutoencoderKLWan
     from train_small_wan_vae import SMALL_WAN_VAE, procedural_video
@@ -267,6 +291,9 @@ def main(argv=None):
     p.add_argument("--overlaps", default="", help="chunked overlaps to run (default: the adapter's default)")
     p.add_argument("--kinds", default="decode,encode")
     p.add_argument("--weights", default=WEIGHTS)
+    p.add_argument("--pin", action="store_true", help="bind rank r to CPU core r (baseline and parallel alike)")
+    p.add_argument("--malloc", choices=["default", "keep"], default="default",
+                   help="keep: glibc keeps freed memory (no page faults per call), in every run")
     p.add_argument("--random-latents", action="store_true", help="decode random latents instead of encoded video")
     p.add_argument("--model-only", action="store_true")
     p.add_argument("--assume-tflops", type=float, default=100.0)
@@ -283,7 +310,7 @@ def main(argv=None):
         print(f"load average before / after: {args.load_before} / {os.getloadavg()[0]:.2f}; "
               f"small trained Wan VAE ({os.path.relpath(args.weights, ROOT)}), fp32, {args.latent_frames} latent frames -> "
               f"{1 + 4 * (args.latent_frames - 1)} x {args.height} x {args.width} video; 1 process x 1 thread vs "
-              f"2 processes x 1 thread (gloo); median of {args.repeats} interleaved runs\n")
+              f"2 processes x 1 thread (gloo); {_setup_desc(args)}; median of {args.repeats} interleaved runs\n")
         print("| mode | call | 1x1 s | 2x1 s | speedup | max abs diff vs 1x1 | peak RSS growth MiB 1x1 / r0 / r1 "
               "| MiB sent per rank | collectives | CPU-time ratio |")
         print("|---|---|---|---|---|---|---|---|---|---|")

@@ -100,6 +100,24 @@ def chunked_cases(mesh):
         ref = vae.decode(z).sample
         dec, _, dc, _, _ = _run(vae, mesh.world, z, None, mode="chunked", overlap=5, gather="rank0")
         out["rank0"] = dict(frames=dec.shape[2], equal=torch.equal(dec, ref) if dec.shape[2] else None, calls=dc)
+        # the runner's phase timers (benchmarks): one record per own chunk, then concat/pad, gather,
+        # stitch; recording them changes nothing in the output
+        from lite_boost.parallel.vae import parallelize_vae, unparallelize_vae
+
+        z, _ = _inputs(9, 2, 3, seed=19)
+        runner = parallelize_vae(vae, mesh.world, mode="chunked", overlap=2)
+        try:
+            plain = vae.decode(z).sample
+            untimed = list(runner.last_phases)
+            runner.record_phases = True
+            timed = vae.decode(z).sample
+            phases = runner.last_phases
+            mine = [c.index for c in runner.last_plan.for_rank(mesh.world.rank)]
+        finally:
+            unparallelize_vae(vae)
+        out["phases"] = dict(equal=torch.equal(plain, timed), untimed=untimed, mine=mine,
+                             names=[(p["name"], p.get("index")) for p in phases],
+                             nonneg=all(p["wall"] >= 0 and p["cpu"] >= 0 for p in phases))
     return out
 
 

@@ -206,7 +206,7 @@ def test_chunked_rank0_bit_identical(world):
     results = _results(world)
     for rank, res in enumerate(results):
         for key, r in res["chunked"].items():
-            if key == "rank0":
+            if key in ("rank0", "phases"):
                 continue
             assert r["shape_ok"] and r["chunk0_equal"] and r["enc_chunk0_equal"], (rank, key, r)
             assert r["rest_diff"] > 0  # random weights: the warm-up is an approximation, really used
@@ -217,6 +217,10 @@ def test_chunked_rank0_bit_identical(world):
         else:
             assert r0["frames"] == 0, r0
         assert r0["calls"] == {"vae_gather_root": 1}, r0
+        ph = res["chunked"]["phases"]
+        assert ph["equal"] and ph["untimed"] == [] and ph["nonneg"], ph
+        assert ph["names"] == ([("chunk", i) for i in ph["mine"]] + [("concat_pad", None), ("gather", None),
+                                                                       ("stitch", None)]), ph
 
 
 @pytest.mark.parametrize("world", [2, 3])

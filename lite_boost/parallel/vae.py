@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -711,7 +712,10 @@ class ParallelVAE:
 
     Attributes: ``mode`` ("exact" | "chunked"), ``overlap``, ``chunk_size``, ``gather`` ("all" |
     "rank0"), ``comm`` (the Communicator), ``adapter``, ``last_plan`` (the ChunkPlan of the last
-    chunked call, for inspection), ``calls`` (counts per kind).
+    chunked call, for inspection), ``calls`` (counts per kind), ``record_phases`` (chunked mode: time
+    each call's phases into ``last_phases``, a list of ``{"name", "wall", "cpu", ...}`` records: one
+    ``"chunk"`` per own chunk with its frame range, then ``"concat_pad"``, ``"gather"``, ``"stitch"``;
+    off unless set, or unless the environment has ``LITE_BOOST_VAE_PHASES=1``).
     """
 
     def __init__(self, vae, adapter: VAEAdapter, comm: Communicator, *, mode: str, overlap: int | None = None,
@@ -738,6 +742,10 @@ class ParallelVAE:
         self.calls = {"decode": 0, "encode": 0}
         # exact mode: overlap each halo exchange with the convolution of the band's inner rows
         self.overlap_halo = True
+        # chunked mode: when True, each call's phases (per chunk, concat/pad, gather, stitch) are timed
+        # into ``last_phases`` (benchmarks; env LITE_BOOST_VAE_PHASES=1 turns it on at install)
+        self.record_phases = os.environ.get("LITE_BOOST_VAE_PHASES", "") not in ("", "0")
+        self.last_phases: list[dict] = []
 
     def overlap_for(self, kind: str) -> int:
         """The warm-up of ``kind`` ("decode" / "encode"): the configured overlap or the adapter's default."""
@@ -795,8 +803,22 @@ class ParallelVAE:
             return ad.wrap(split.gather_output(ad.unwrap(out, kind)), kind, *args, **kwargs)
         return self._chunked(kind, inner, inp, *args, **kwargs)
 
+    @contextlib.contextmanager
+    def _phase(self, name: str, **info):
+        """Time one phase of a chunked call (wall and this thread's CPU) into ``last_phases``."""
+        if not self.record_phases:
+            yield
+            return
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self.last_phases.append(dict(name=name, wall=time.perf_counter() - t0, cpu=time.thread_time() - c0,
+                                         **info))
+
     def _chunked(self, kind, inner, inp, *args, **kwargs):
         ad, comm = self.adapter, self.comm
+        self.last_phases = []
         n = ad.num_units(inp, kind)
         plan = plan_chunks(n, comm.size, overlap=self.overlap_for(kind), chunk_size=self.chunk_size,
                            cost=ad.chunk_cost_fn(kind))
@@ -807,31 +829,35 @@ class ParallelVAE:
         width = max(per_rank)
         parts = []
         for c in plan.for_rank(comm.rank):
-            out = ad.run_chunk(inner, inp, c, kind)
+            with self._phase("chunk", index=c.index, warm_start=c.warm_start, start=c.start, stop=c.stop):
+                out = ad.run_chunk(inner, inp, c, kind)
             if out.shape[2] != frames[c.index]:
                 raise RuntimeError(f"parallel VAE: chunk {c} gave {out.shape[2]} frames, expected {frames[c.index]}")
             parts.append(out)
         buf_shape = list(full_shape)
         buf_shape[2] = width
-        if parts:
-            local = pad_dim(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0], 2, width)
-        else:
-            local = inp.new_zeros(buf_shape)
+        with self._phase("concat_pad"):
+            if parts:
+                local = pad_dim(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0], 2, width)
+            else:
+                local = inp.new_zeros(buf_shape)
         if list(local.shape) != buf_shape:
             raise RuntimeError(f"parallel VAE: local buffer {tuple(local.shape)} != expected {tuple(buf_shape)}")
         to_all = self.gather == "all"
-        stacked = self.coll.gather_equal(local, to_all=to_all, root=0)
+        with self._phase("gather"):
+            stacked = self.coll.gather_equal(local, to_all=to_all, root=0)
         if stacked is None:  # not the root with gather="rank0": an empty (0-frame) video
             empty = list(full_shape)
             empty[2] = 0
             return ad.wrap(inp.new_empty(empty), kind, *args, **kwargs)
-        offsets = [0] * comm.size
-        pieces = []
-        for c in plan.chunks:
-            f = frames[c.index]
-            pieces.append(stacked[c.rank].narrow(2, offsets[c.rank], f))
-            offsets[c.rank] += f
-        video = torch.cat(pieces, dim=2)
+        with self._phase("stitch"):
+            offsets = [0] * comm.size
+            pieces = []
+            for c in plan.chunks:
+                f = frames[c.index]
+                pieces.append(stacked[c.rank].narrow(2, offsets[c.rank], f))
+                offsets[c.rank] += f
+            video = torch.cat(pieces, dim=2)
         if tuple(video.shape) != tuple(full_shape):
             raise RuntimeError(f"parallel VAE: stitched {tuple(video.shape)} != expected {tuple(full_shape)}")
         return ad.wrap(video, kind, *args, **kwargs)

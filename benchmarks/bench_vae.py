@@ -56,11 +56,15 @@ def _trim() -> None:
 class PeakRSS:
     """Peak RSS growth (bytes) over a with-block, sampled by a thread (freed heap trimmed first)."""
 
+    def __init__(self, trim: bool = True):
+        self.trim = trim  # False under --malloc keep (trimming would hand the kept memory back)
+
     def __enter__(self):
         import gc
 
         gc.collect()
-        _trim()
+        if self.trim:
+            _trim()
         self.base = self.peak = _rss()
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
@@ -80,24 +84,36 @@ class PeakRSS:
 
 def _setup_process(rank, args):
     """Per-rank process setup shared by the baseline and the parallel runs (so both get it):
-    ``--pin`` binds rank r to CPU core r (one core per rank, as an HPC launcher would);
+    ``--pin`` binds rank r to CPU core r (one core per rank, as an HPC launcher would; ``--pin both``
+    alternates unpinned and pinned repeats, see ``_set_pin``);
     ``--malloc keep`` stops glibc from returning freed memory to the OS (no mmap'd chunks, no
     trimming), so a call's big temporaries (slow_conv3d's im2col buffers) are not page-faulted
     afresh every time."""
-    if args.pin:
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    args.all_cores = sorted(os.sched_getaffinity(0))
     if args.malloc == "keep":
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]  # int mallopt(int param, int value)
         m_trim_threshold, m_mmap_max = -1, -4
-        if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 1 << 40)):
+        if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**31 - 1)):
             raise SystemExit("mallopt failed")
 
 
+def _set_pin(rank, args, on: bool) -> None:
+    """Bind this rank to its own core (on) or let it run on every core it started with (off)."""
+    cores = args.all_cores
+    os.sched_setaffinity(0, {cores[rank % len(cores)]} if on else set(cores))
+
+
+def _pin_states(args) -> list:
+    return {"no": [False], "yes": [True], "both": [False, True]}[args.pin]
+
+
 def _setup_desc(args) -> str:
-    return (("ranks pinned to one core each" if args.pin else "ranks not pinned") + "; glibc malloc "
+    pin = {"no": "ranks not pinned", "yes": "ranks pinned to one core each",
+           "both": "each repeat unpinned, then with ranks pinned to one core each (interleaved)"}[args.pin]
+    return (pin + "; glibc malloc "
             + ("keeping freed memory (mmap off, no trim)" if args.malloc == "keep" else "defaults"))
 
 
@@ -129,12 +145,13 @@ def _rank(rank, world, init_file, args, out_dir):
     res = []
     stats = mesh.world.enable_stats()
     with torch.no_grad():
-        for rep in range(args.repeats):
+        for rep, pin in ((r, p) for r in range(args.repeats) for p in _pin_states(args)):
+            _set_pin(rank, args, pin)
             for kind in args.kinds:
                 dist.barrier()
                 base_t = base_mem = base_cpu = None
                 if rank == 0:  # the 1 x 1 baseline: stock sequential call, rank 1 waits in the barrier
-                    with PeakRSS() as m:
+                    with PeakRSS(trim=args.malloc != "keep") as m:
                         t0, c0 = time.perf_counter(), time.process_time()
                         ref = calls[kind]()
                         base_t, base_cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -144,7 +161,7 @@ def _rank(rank, world, init_file, args, out_dir):
                     runner = parallelize_vae(vae, mesh.world, mode=mode, overlap=overlap)
                     stats.reset()
                     dist.barrier()
-                    with PeakRSS() as m:
+                    with PeakRSS(trim=args.malloc != "keep") as m:
                         t0, c0 = time.perf_counter(), time.process_time()
                         out = calls[kind]()
                         par_t, par_cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -153,7 +170,7 @@ def _rank(rank, world, init_file, args, out_dir):
                     ncoll = sum(stats.calls.values())
                     unparallelize_vae(vae)
                     diff = (out - ref).abs().max().item() if rank == 0 else None
-                    res.append(dict(rep=rep, mode=mode, kind=kind, base_t=base_t, base_mem=base_mem, par_t=par_t,
+                    res.append(dict(rep=rep, pin=pin, mode=mode, kind=kind, base_t=base_t, base_mem=base_mem, par_t=par_t,
                                     base_cpu=base_cpu, par_cpu=par_cpu,
                                     par_mem=m.growth, sent=sent, collectives=ncoll,
                                     overlap=runner.overlap_for(kind) if mode == "chunked" else None, diff=diff,
@@ -187,10 +204,10 @@ def measure(args):
             with open(os.path.join(tmp, f"rank{r}.pkl"), "rb") as fh:
                 per_rank.append(pickle.load(fh))
     rows = []
-    for mode, overlap in args.runs:
-        for kind in args.kinds:
+    for mode, overlap, kind, pin in ((m, o, k, p) for m, o in args.runs for k in args.kinds for p in _pin_states(args)):
+        if True:
             def pick(rs):
-                return [x for x in rs if x["mode"] == mode and x["kind"] == kind
+                return [x for x in rs if x["mode"] == mode and x["kind"] == kind and x["pin"] == pin
                         and (overlap is None or x["overlap"] == overlap)]
 
             r0, r1 = pick(per_rank[0]), pick(per_rank[1])
@@ -198,7 +215,7 @@ def measure(args):
             par = statistics.median(max(a["par_t"], b["par_t"]) for a, b in zip(r0, r1))
             cpu_ratio = statistics.median(x["base_cpu"] for x in r0) / statistics.median(
                 max(a["par_cpu"], b["par_cpu"]) for a, b in zip(r0, r1))
-            rows.append(dict(mode=mode, kind=kind, base=base, par=par, speedup=base / par, cpu_ratio=cpu_ratio,
+            rows.append(dict(mode=mode, kind=kind, pin=pin, base=base, par=par, speedup=base / par, cpu_ratio=cpu_ratio,
                              base_mem=max(x["base_mem"] for x in r0) / 2**20,
                              mem0=max(x["par_mem"] for x in r0) / 2**20, mem1=max(x["par_mem"] for x in r1) / 2**20,
                              sent=max(x["sent"] for x in r0 + r1) / 2**20, coll=r0[0]["collectives"],
@@ -291,7 +308,9 @@ def main(argv=None):
     p.add_argument("--overlaps", default="", help="chunked overlaps to run (default: the adapter's default)")
     p.add_argument("--kinds", default="decode,encode")
     p.add_argument("--weights", default=WEIGHTS)
-    p.add_argument("--pin", action="store_true", help="bind rank r to CPU core r (baseline and parallel alike)")
+    p.add_argument("--pin", nargs="?", const="yes", default="no", choices=["no", "yes", "both"],
+                   help="bind rank r to CPU core r (baseline and parallel alike); both: alternate unpinned and "
+                        "pinned repeats in the same processes")
     p.add_argument("--malloc", choices=["default", "keep"], default="default",
                    help="keep: glibc keeps freed memory (no page faults per call), in every run")
     p.add_argument("--random-latents", action="store_true", help="decode random latents instead of encoded video")
@@ -317,10 +336,12 @@ def main(argv=None):
         for r in rows:
             mode = r["mode"] + (f" (overlap {r['overlap']})" if r["overlap"] else "")
             mode += " (default)" if r["mode"] == "chunked" and not args.overlaps else ""
+            mode += (", pinned" if r["pin"] else ", not pinned") if args.pin == "both" else ""
             print(f"| {mode} | {r['kind']} | {r['base']:.2f} | {r['par']:.2f} | {r['speedup']:.2f}x | {r['diff']:.1e} | "
                   f"{r['base_mem']:.0f} / {r['mem0']:.0f} / {r['mem1']:.0f} | {r['sent']:.1f} | {r['coll']} | "
                   f"{r['cpu_ratio']:.2f}x |")
-        print("\nruns (1x1 s, 2x1 s):", {f"{r['mode']}{r['overlap'] or ''}/{r['kind']}": r["runs"] for r in rows})
+        print("\nruns (1x1 s, 2x1 s):", {f"{r['mode']}{r['overlap'] or ''}/{r['kind']}" + ("/pinned" if r["pin"] else ""): r["runs"]
+                                         for r in rows})
     print()
     print(wan21_model(args))
 

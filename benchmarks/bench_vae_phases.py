@@ -53,8 +53,9 @@ def _setup_process(rank, args):
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]  # int mallopt(int param, int value)
         m_trim_threshold, m_mmap_max = -1, -4
-        if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 1 << 40)):
+        if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**31 - 1)):
             raise SystemExit("mallopt failed")
 
 

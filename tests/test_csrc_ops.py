@@ -163,6 +163,26 @@ def test_cpu_kernel_larger_blocks_and_long_runs(lib):
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("prefetch", [None, "0", "64", "100000"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cpu_kernel_k_copy_prefetch_settings(lib, monkeypatch, prefetch, dtype, tol):
+    """Scattered blocks (several runs per tile, so K is copied) give the reference result whatever the copy's
+    prefetch distance (LITE_BOOST_RF_PREFETCH: default, off, less than one row, more than the block)."""
+    if prefetch is None:
+        monkeypatch.delenv("LITE_BOOST_RF_PREFETCH", raising=False)
+    else:
+        monkeypatch.setenv("LITE_BOOST_RF_PREFETCH", prefetch)
+    gen = torch.Generator().manual_seed(5)
+    q_lens, kv_lens = [96, 40], [300, 200]
+    q, k, v = _problem(gen, "TND", q_lens, kv_lens, 2, 2, 64, 64, dtype)  # TND: K rows strided by heads
+    idx, num = _selection(gen, q_lens, kv_lens, 32, 32, 4, "random")
+    idx[0, 0, :4], idx[0, 0, 4:], num[0, 0] = torch.tensor([0, 2, 5, 9]), -1, 4  # four runs, tail block last
+    out, lse = _op_call(lib, q, k, v, idx, num, (32, 32), "TND", q_lens, kv_lens)
+    ref, ref_lse = _reference(q, k, v, idx, num, (32, 32), "TND", q_lens, kv_lens)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
 def test_without_lse_returns_empty_and_same_output(lib):
     gen = torch.Generator().manual_seed(5)
     q, k, v = _problem(gen, "BNSD", [40], [40], 1, 2, 24, 24, torch.float32)

@@ -141,6 +141,19 @@ def exact_cases(mesh):
                 out[(n, h, w)].update(pairs=len(ad.spatial_layout("decode").pairs),
                                       expect_halos=n * per_call["decode"], expect_enc_halos=2 * per_call["encode"],
                                       dec_gathers=dc.get("gather", 0))
+        # a frame tall enough that PyTorch runs the full-resolution convolutions with oneDNN, while each
+        # rank's band alone would fall below its size threshold into the im2col kernel: the bands must
+        # keep the full frame's kernel (counted with the profiler), and the result must stay exact
+        z, x = _inputs(2, 54, 1, seed=41)
+        ref_d = vae.decode(z).sample
+        kernels = {}
+        for name in ("seq", "par"):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                dec = vae.decode(z).sample if name == "seq" else _run(vae, mesh.world, z, None, mode="exact")[0]
+            ev = {e.key: e.count for e in prof.key_averages()}
+            kernels[name] = (ev.get("aten::mkldnn_convolution", 0), ev.get("aten::slow_conv3d_forward", 0))
+        out["full_frame_kernel"] = dict(dec=_diff(dec, ref_d), enc=0.0, ref_abs=ref_d.abs().mean().item(),
+                                        kernels=kernels)
         # with the VAE's own spatial tiling (tiles of 32x32 pixels, stride 16: 3 x 3 tiles)
         vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=16,
                           tile_sample_stride_width=16)

@@ -228,6 +228,13 @@ def test_exact_matches_sequential(world):
     for rank, res in enumerate(_results(world)):
         for key, r in res["exact"].items():
             assert r["dec"] <= TOL and r["enc"] <= TOL, (rank, key, r)
+            if key == "full_frame_kernel":
+                # stock runs some full-frame convolutions with oneDNN; the bands use oneDNN for them too.
+                # A band conv runs as its inner rows plus two edge strips (the overlapped exchange), so
+                # oneDNN calls at least double; with PyTorch's own per-band choice they do not (9 vs 8)
+                (seq_dnn, _), (par_dnn, _) = r["kernels"]["seq"], r["kernels"]["par"]
+                assert seq_dnn > 0 and par_dnn >= 2 * seq_dnn, r
+                continue
             if key[0] != "tiled":
                 assert r["ref_abs"] > 0.01
                 assert r["halos"] > 0 and r["enc_halos"] > 0, (key, r)  # really split, not run whole

@@ -24,7 +24,8 @@ the same over groups of video frames. This module spreads that work over the ran
     see the gathered full input and keep their band of the output; the call's output bands are
     gathered at the end. Each rank keeps the causal cache of its own band only, so the temporal
     loop, the frame bookkeeping and the VAE's own spatial tiling (each tile is split the same way)
-    are the model's own code, untouched.
+    are the model's own code, untouched. Each band's convolution runs with the CPU kernel PyTorch
+    would pick for the full frame (oneDNN rather than the im2col kernel a shorter band falls back to).
 
 Trade-off: chunked sends only the decoded video (one collective) and scales to any rank count, but
 its seams are approximate and every non-first chunk recomputes ``overlap`` warm-up frames; exact

@@ -516,18 +516,16 @@ class _SpatialSplit:
                  overlap_halo: bool = True):
         self.layout = layout
         self.overlap_halo = overlap_halo and layout.unpad is not None
-        self.wrapped: list = []  # (module, had_instance_forward, previous)
+        self.patched: list = []  # (module, attribute, had an instance attribute, previous), in patch order
         self.coll = coll
         self.band = _Band()
         self.handles: list = []
-        self.root_had_forward = False
         self.warned = False
         self.defer = defer_gather
         self.root_sizes: list[int] | None = None
         self.merged: dict[int, bool] = {}  # id(second of a pair) -> its input carries the halo (this call)
         self.full_rows: dict[int, int] = {}  # id(conv) -> its full-frame input rows, padding included (this call)
         self.onednn: dict[tuple, bool] = {}  # (id(conv), band input shape, full rows) -> run the band with oneDNN
-        self.convs: list = []  # (conv, had an instance _conv_forward, previous)
 
     # --- root: split the input rows, gather the output rows
     def _root_forward(self, inner):
@@ -700,12 +698,14 @@ class _SpatialSplit:
         rank = self.coll.comm.rank
         return output.narrow(self.DIM, int(sum(sizes[:rank]) * factor), int(sizes[rank] * factor))
 
+    def _patch(self, mod, name: str, make: Callable) -> None:
+        """Set ``mod.<name> = make(current)`` on the instance; ``remove`` restores what was there."""
+        self.patched.append((mod, name, name in mod.__dict__, mod.__dict__.get(name)))
+        setattr(mod, name, make(getattr(mod, name)))
+
     def install(self):
         layout = self.layout
-        root = layout.root
-        self.root_had_forward = "forward" in root.__dict__
-        self.prev_forward = root.__dict__.get("forward")
-        root.forward = self._root_forward(root.forward)
+        self._patch(layout.root, "forward", self._root_forward)
         rows_of = {id(m): r for m, r in layout.halo}
         firsts, seconds = {}, set()
         if layout.unpad is not None:
@@ -716,10 +716,8 @@ class _SpatialSplit:
         try:
             for mod, rows in layout.halo:
                 if self.overlap_halo:
-                    had = "forward" in mod.__dict__
-                    self.wrapped.append((mod, had, mod.__dict__.get("forward")))
-                    mod.forward = self._halo_forward(mod, mod.forward, rows, first_of=firsts.get(id(mod)),
-                                                     second=id(mod) in seconds)
+                    self._patch(mod, "forward", lambda orig, mod=mod, rows=rows: self._halo_forward(
+                        mod, orig, rows, first_of=firsts.get(id(mod)), second=id(mod) in seconds))
                     continue
                 pre, post = self._halo_hooks(rows, first_of=firsts.get(id(mod)), second=id(mod) in seconds)
                 self.handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
@@ -728,8 +726,7 @@ class _SpatialSplit:
                 self.handles.append(mod.register_forward_pre_hook(self._bottom_pre))
             for mod in [m for m, _ in layout.halo] + list(layout.bottom_halo):
                 if isinstance(mod, (torch.nn.Conv2d, torch.nn.Conv3d)):
-                    self.convs.append((mod, "_conv_forward" in mod.__dict__, mod.__dict__.get("_conv_forward")))
-                    mod._conv_forward = self._conv_forward(mod, mod._conv_forward)
+                    self._patch(mod, "_conv_forward", lambda orig, mod=mod: self._conv_forward(mod, orig))
             for mod in layout.gather:
                 self.handles.append(mod.register_forward_pre_hook(self._gather_pre))
                 self.handles.append(mod.register_forward_hook(self._gather_post))
@@ -742,23 +739,12 @@ class _SpatialSplit:
         for h in self.handles:
             h.remove()
         self.handles.clear()
-        while self.wrapped:
-            mod, had, prev = self.wrapped.pop()
+        while self.patched:  # newest first, the root's forward last
+            mod, name, had, prev = self.patched.pop()
             if had:
-                mod.forward = prev
-            elif "forward" in mod.__dict__:
-                del mod.forward
-        while self.convs:
-            mod, had, prev = self.convs.pop()
-            if had:
-                mod._conv_forward = prev
-            elif "_conv_forward" in mod.__dict__:
-                del mod._conv_forward
-        root = self.layout.root
-        if self.root_had_forward:
-            root.forward = self.prev_forward
-        elif "forward" in root.__dict__:
-            del root.forward
+                setattr(mod, name, prev)
+            elif name in mod.__dict__:
+                delattr(mod, name)
 
 
 def band_sizes_out(sizes_in: list[int], rows_out_here: int, rank: int) -> list[int]:

@@ -91,13 +91,42 @@ def _setup_process(rank, args):
     afresh every time."""
     args.all_cores = sorted(os.sched_getaffinity(0))
     if args.malloc == "keep":
-        import ctypes
+        keep_freed_memory()
 
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]  # int mallopt(int param, int value)
-        m_trim_threshold, m_mmap_max = -1, -4
-        if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**31 - 1)):
-            raise SystemExit("mallopt failed")
+
+def keep_freed_memory() -> None:
+    """glibc: no mmap'd chunks and no trimming, so freed memory stays with the process."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]  # int mallopt(int param, int value)
+    m_trim_threshold, m_mmap_max = -1, -4
+    if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**31 - 1)):
+        raise SystemExit("mallopt failed")
+
+
+def run_two_ranks(rank_fn, args, prefix: str) -> list:
+    """Spawn ``rank_fn(rank, 2, init_file, args, tmpdir)`` on 2 processes; return what each rank pickled
+    to ``tmpdir/rank<r>.pkl``."""
+    import pickle
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        init_file = os.path.join(tmp, "rdzv")
+        procs = [ctx.Process(target=rank_fn, args=(r, 2, init_file, args, tmp)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+        per_rank = []
+        for r in range(2):
+            with open(os.path.join(tmp, f"rank{r}.pkl"), "rb") as fh:
+                per_rank.append(pickle.load(fh))
+    return per_rank
 
 
 def _set_pin(rank, args, on: bool) -> None:
@@ -185,42 +214,24 @@ def _rank(rank, world, init_file, args, out_dir):
 
 
 def measure(args):
-    import pickle
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="lb_bench_vae_") as tmp:
-        init_file = os.path.join(tmp, "rdzv")
-        procs = [ctx.Process(target=_rank, args=(r, 2, init_file, args, tmp)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs):
-            raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-        per_rank = []
-        for r in range(2):
-            with open(os.path.join(tmp, f"rank{r}.pkl"), "rb") as fh:
-                per_rank.append(pickle.load(fh))
+    per_rank = run_two_ranks(_rank, args, "lb_bench_vae_")
     rows = []
     for mode, overlap, kind, pin in ((m, o, k, p) for m, o in args.runs for k in args.kinds for p in _pin_states(args)):
-        if True:
-            def pick(rs):
-                return [x for x in rs if x["mode"] == mode and x["kind"] == kind and x["pin"] == pin
-                        and (overlap is None or x["overlap"] == overlap)]
+        def pick(rs):
+            return [x for x in rs if x["mode"] == mode and x["kind"] == kind and x["pin"] == pin
+                    and (overlap is None or x["overlap"] == overlap)]
 
-            r0, r1 = pick(per_rank[0]), pick(per_rank[1])
-            base = statistics.median(x["base_t"] for x in r0)
-            par = statistics.median(max(a["par_t"], b["par_t"]) for a, b in zip(r0, r1))
-            cpu_ratio = statistics.median(x["base_cpu"] for x in r0) / statistics.median(
-                max(a["par_cpu"], b["par_cpu"]) for a, b in zip(r0, r1))
-            rows.append(dict(mode=mode, kind=kind, pin=pin, base=base, par=par, speedup=base / par, cpu_ratio=cpu_ratio,
-                             base_mem=max(x["base_mem"] for x in r0) / 2**20,
-                             mem0=max(x["par_mem"] for x in r0) / 2**20, mem1=max(x["par_mem"] for x in r1) / 2**20,
-                             sent=max(x["sent"] for x in r0 + r1) / 2**20, coll=r0[0]["collectives"],
-                             overlap=r0[0]["overlap"], diff=max(x["diff"] for x in r0), shape=r0[0]["shape"],
-                             runs=[(round(a["base_t"], 2), round(max(a["par_t"], b["par_t"]), 2)) for a, b in zip(r0, r1)]))
+        r0, r1 = pick(per_rank[0]), pick(per_rank[1])
+        base = statistics.median(x["base_t"] for x in r0)
+        par = statistics.median(max(a["par_t"], b["par_t"]) for a, b in zip(r0, r1))
+        cpu_ratio = statistics.median(x["base_cpu"] for x in r0) / statistics.median(
+            max(a["par_cpu"], b["par_cpu"]) for a, b in zip(r0, r1))
+        rows.append(dict(mode=mode, kind=kind, pin=pin, base=base, par=par, speedup=base / par, cpu_ratio=cpu_ratio,
+                         base_mem=max(x["base_mem"] for x in r0) / 2**20,
+                         mem0=max(x["par_mem"] for x in r0) / 2**20, mem1=max(x["par_mem"] for x in r1) / 2**20,
+                         sent=max(x["sent"] for x in r0 + r1) / 2**20, coll=r0[0]["collectives"],
+                         overlap=r0[0]["overlap"], diff=max(x["diff"] for x in r0), shape=r0[0]["shape"],
+                         runs=[(round(a["base_t"], 2), round(max(a["par_t"], b["par_t"]), 2)) for a, b in zip(r0, r1)]))
     return rows
 
 

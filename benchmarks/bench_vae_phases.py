@@ -28,7 +28,6 @@ import os
 import resource
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -38,6 +37,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 WEIGHTS = os.path.join(ROOT, "tests", "data", "wan_vae_small")
+sys.path.insert(0, HERE)
+from bench_vae import keep_freed_memory, run_two_ranks  # noqa: E402
 
 
 def _setup_process(rank, args):
@@ -50,13 +51,7 @@ def _setup_process(rank, args):
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
     if args.malloc == "keep":
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]  # int mallopt(int param, int value)
-        m_trim_threshold, m_mmap_max = -1, -4
-        if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**31 - 1)):
-            raise SystemExit("mallopt failed")
+        keep_freed_memory()
 
 
 def _setup_desc(args) -> str:
@@ -316,25 +311,8 @@ def main(argv=None):
                    help="keep: glibc keeps freed memory (no page faults per call), in every run")
     args = p.parse_args(argv)
     args.kinds = args.kinds.split(",")
-    import pickle
-
-    import torch.multiprocessing as mp
-
     load0 = os.getloadavg()[0]
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="lb_bench_vae_ph_") as tmp:
-        init_file = os.path.join(tmp, "rdzv")
-        procs = [ctx.Process(target=_rank, args=(r, 2, init_file, args, tmp)) for r in range(2)]
-        for pr in procs:
-            pr.start()
-        for pr in procs:
-            pr.join()
-        if any(pr.exitcode for pr in procs):
-            raise SystemExit(f"a rank failed: exit codes {[pr.exitcode for pr in procs]}")
-        per_rank = []
-        for r in range(2):
-            with open(os.path.join(tmp, f"rank{r}.pkl"), "rb") as fh:
-                per_rank.append(pickle.load(fh))
+    per_rank = run_two_ranks(_rank, args, "lb_bench_vae_ph_")
     print(f"load average before / after: {load0:.2f} / {os.getloadavg()[0]:.2f}; trained small Wan VAE, fp32, "
           f"{args.latent_frames} latent frames -> {1 + 4 * (args.latent_frames - 1)} x {args.height} x {args.width}; "
           f"2 gloo ranks x 1 thread; {_setup_desc(args)}; medians of {args.repeats} interleaved repeats; times in s\n")

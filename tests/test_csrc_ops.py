@@ -183,6 +183,66 @@ def test_cpu_kernel_k_copy_prefetch_settings(lib, monkeypatch, prefetch, dtype, 
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
+def _paired_selection(gen, q_lens, kv_lens, bq, bk, heads):
+    """Selections where neighbouring query blocks (2p, 2p + 1) mostly share their blocks, as real video masks do.
+
+    Per (pair, head) one of: identical lists; a shared part of at least 3/4 plus one own block each; one list
+    a superset of the other; one block selecting nothing; little overlap (below the kernel's pairing bar).
+    """
+    nkb = [math.ceil(x / bk) for x in kv_lens]
+    width = max(nkb)
+    idx_parts, num_parts = [], []
+    for lq, n in zip(q_lens, nkb):
+        rows = math.ceil(lq / bq)
+        keep = torch.zeros(rows, heads, n, dtype=torch.bool)
+        for p in range(0, rows, 2):
+            for h in range(heads):
+                kind = int(torch.randint(0, 5, (1,), generator=gen))
+                perm = torch.randperm(n, generator=gen)
+                shared = perm[: max(1, min(n - 2, 3 + int(torch.randint(0, n, (1,), generator=gen)) // 2))]
+                keep[p, h, shared] = True
+                if p + 1 < rows:
+                    keep[p + 1, h, shared] = True
+                    if kind == 1 and n >= len(shared) + 2:  # one own block each
+                        keep[p, h, perm[len(shared)]] = True
+                        keep[p + 1, h, perm[len(shared) + 1]] = True
+                    elif kind == 2 and n > len(shared):  # superset
+                        keep[p + 1, h, perm[len(shared)]] = True
+                    elif kind == 3:  # second block selects nothing
+                        keep[p + 1, h] = False
+                    elif kind == 4:  # little overlap: below the pairing bar
+                        keep[p + 1, h] = False
+                        keep[p + 1, h, perm[-1]] = True
+                        keep[p + 1, h, perm[0]] = True
+        ar = torch.arange(n)
+        order = torch.where(keep, ar, n + ar).sort(-1).values
+        idx = torch.where(order >= n, torch.full_like(order, -1), order)
+        idx_parts.append(torch.nn.functional.pad(idx, (0, width - n), value=-1))
+        num_parts.append(keep.sum(-1))
+    return torch.cat(idx_parts), torch.cat(num_parts)
+
+
+@pytest.mark.parametrize("pair", [None, "0"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("layout", ["TND", "BNSD"])
+def test_cpu_kernel_paired_query_blocks(lib, monkeypatch, pair, dtype, tol, layout):
+    """Neighbouring query blocks that share most of their blocks run the shared ones as one taller tile (default)
+    or each on its own (LITE_BOOST_RF_PAIR=0); both match the reference. Odd block counts leave the last block
+    unpaired, partial tail blocks sit inside a pair, GQA heads share K/V."""
+    if pair is None:
+        monkeypatch.delenv("LITE_BOOST_RF_PAIR", raising=False)
+    else:
+        monkeypatch.setenv("LITE_BOOST_RF_PAIR", pair)
+    gen = torch.Generator().manual_seed(8)
+    q_lens, kv_lens = ([150, 77], [200, 130]) if layout == "TND" else ([150, 150], [200, 200])
+    q, k, v = _problem(gen, layout, q_lens, kv_lens, 2, 2, 64, 64, dtype)
+    idx, num = _paired_selection(gen, q_lens, kv_lens, 16, 16, 4)
+    out, lse = _op_call(lib, q, k, v, idx, num, (16, 16), layout, q_lens, kv_lens)
+    ref, ref_lse = _reference(q, k, v, idx, num, (16, 16), layout, q_lens, kv_lens)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4 if dtype != torch.float32 else 1e-5, rtol=1e-4)
+
+
 def test_without_lse_returns_empty_and_same_output(lib):
     gen = torch.Generator().manual_seed(5)
     q, k, v = _problem(gen, "BNSD", [40], [40], 1, 2, 24, 24, torch.float32)

@@ -353,25 +353,25 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
         bool paired = false;
         if (nblk == 2 && num_of[0] > 0 && num_of[1] > 0) {
           // split the two ascending lists into shared and own blocks (linear merge)
-          int64_t nb_ = 0, n0 = 0, n1_ = 0, a = 0, c = 0;
+          int64_t n_both = 0, n_own0 = 0, n_own1 = 0, a = 0, c = 0;
           const int64_t* sa = sel_of[0];
           const int64_t* sc = sel_of[1];
           while (a < num_of[0] && c < num_of[1]) {
-            if (sa[a] == sc[c]) { both[nb_++] = sa[a]; ++a; ++c; }
-            else if (sa[a] < sc[c]) only0[n0++] = sa[a++];
-            else only1[n1_++] = sc[c++];
+            if (sa[a] == sc[c]) { both[n_both++] = sa[a]; ++a; ++c; }
+            else if (sa[a] < sc[c]) only0[n_own0++] = sa[a++];
+            else only1[n_own1++] = sc[c++];
           }
-          while (a < num_of[0]) only0[n0++] = sa[a++];
-          while (c < num_of[1]) only1[n1_++] = sc[c++];
+          while (a < num_of[0]) only0[n_own0++] = sa[a++];
+          while (c < num_of[1]) only1[n_own1++] = sc[c++];
           // Shared tiles only pay when they are most of the work: at 20% overlap (random masks) splitting the
-          // lists cost as much as the taller tiles saved; from ~75% on (every block selected, neighbouring
-          // query blocks of real video) it saves 4-10%.
-          paired = 4 * nb_ >= 3 * std::max(num_of[0], num_of[1]);
+          // lists cost as much as the taller tiles saved; at 75-100% overlap of scattered blocks they saved 3-6%,
+          // with every block selected ~10% (neighbouring query blocks of real video should sit in between).
+          paired = 4 * n_both >= 3 * std::max(num_of[0], num_of[1]);
           if (paired) {
-            run_list(b, h, both.data(), nb_, tok0, rows_all, 0, true, q_all, ldq);
+            run_list(b, h, both.data(), n_both, tok0, rows_all, 0, true, q_all, ldq);
             const int64_t rows1 = rows_all - bq;
-            if (n0 > 0) run_list(b, h, only0.data(), n0, tok0, bq, 0, false, q_all, ldq);
-            if (n1_ > 0) run_list(b, h, only1.data(), n1_, tok0 + bq, rows1, bq, false,
+            if (n_own0 > 0) run_list(b, h, only0.data(), n_own0, tok0, bq, 0, false, q_all, ldq);
+            if (n_own1 > 0) run_list(b, h, only1.data(), n_own1, tok0 + bq, rows1, bq, false,
                                   q_all ? q_all + bq * ldq : nullptr, ldq);
             done[0] = done[1] = true;
           }

@@ -309,21 +309,26 @@ def _plan(n, P, ov, ad):
     return plan_chunks(n, P, overlap=ov, cost=ad.chunk_cost_fn("decode")).chunks
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_common_args(p):
+    """The arguments bench_vae.py and bench_vae_phases.py share: frame size, length, repeats, calls, weights, malloc."""
     p.add_argument("--height", type=int, default=128)
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--latent-frames", type=int, default=21)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--modes", default="exact,chunked")
-    p.add_argument("--overlaps", default="", help="chunked overlaps to run (default: the adapter's default)")
     p.add_argument("--kinds", default="decode,encode")
     p.add_argument("--weights", default=WEIGHTS)
+    p.add_argument("--malloc", choices=["default", "keep"], default="default",
+                   help="keep: glibc keeps freed memory (no page faults per call), in every run")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(p)
+    p.add_argument("--modes", default="exact,chunked")
+    p.add_argument("--overlaps", default="", help="chunked overlaps to run (default: the adapter's default)")
     p.add_argument("--pin", nargs="?", const="yes", default="no", choices=["no", "yes", "both"],
                    help="bind rank r to CPU core r (baseline and parallel alike); both: alternate unpinned and "
                         "pinned repeats in the same processes")
-    p.add_argument("--malloc", choices=["default", "keep"], default="default",
-                   help="keep: glibc keeps freed memory (no page faults per call), in every run")
     p.add_argument("--random-latents", action="store_true", help="decode random latents instead of encoded video")
     p.add_argument("--model-only", action="store_true")
     p.add_argument("--assume-tflops", type=float, default=100.0)

@@ -36,9 +36,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-WEIGHTS = os.path.join(ROOT, "tests", "data", "wan_vae_small")
 sys.path.insert(0, HERE)
-from bench_vae import keep_freed_memory, run_two_ranks  # noqa: E402
+from bench_vae import add_common_args, keep_freed_memory, run_two_ranks  # noqa: E402
 
 
 def _setup_process(rank, args):
@@ -299,16 +298,9 @@ def _split_calls(calls, chunks, ad, kind):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--height", type=int, default=128)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--latent-frames", type=int, default=21)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--kinds", default="decode,encode")
+    add_common_args(p)
     p.add_argument("--no-both-stock", dest="both_stock", action="store_false")
-    p.add_argument("--weights", default=WEIGHTS)
     p.add_argument("--pin", action="store_true", help="bind rank r to CPU core r (baseline and parallel alike)")
-    p.add_argument("--malloc", choices=["default", "keep"], default="default",
-                   help="keep: glibc keeps freed memory (no page faults per call), in every run")
     args = p.parse_args(argv)
     args.kinds = args.kinds.split(",")
     load0 = os.getloadavg()[0]

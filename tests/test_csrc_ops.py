@@ -59,13 +59,19 @@ def _selection(gen, q_lens, kv_lens, bq, bk, heads, mode):
         keep = torch.where((kind == 0)[..., None], torch.zeros_like(pick), pick)
         keep = torch.where((kind == 1)[..., None], one, keep)
         keep = torch.where((kind == 2)[..., None], torch.ones_like(pick), keep)
-        num = keep.sum(-1)
-        ar = torch.arange(n)
-        order = torch.where(keep, ar, n + ar).sort(-1).values
-        idx = torch.where(order >= n, torch.full_like(order, -1), order)
-        idx_parts.append(torch.nn.functional.pad(idx, (0, width - n), value=-1))
+        idx, num = _keep_to_selection(keep, width)
+        idx_parts.append(idx)
         num_parts.append(num)
     return torch.cat(idx_parts), torch.cat(num_parts)
+
+
+def _keep_to_selection(keep, width):
+    """A (rows, heads, n) bool block mask -> (select_idx padded with -1 to ``width``, select_num), ascending."""
+    n = keep.shape[-1]
+    ar = torch.arange(n)
+    order = torch.where(keep, ar, n + ar).sort(-1).values
+    idx = torch.where(order >= n, torch.full_like(order, -1), order)
+    return torch.nn.functional.pad(idx, (0, width - n), value=-1), keep.sum(-1)
 
 
 def _problem(gen, layout, q_lens, kv_lens, n2, g, d, dv, dtype):
@@ -214,11 +220,9 @@ def _paired_selection(gen, q_lens, kv_lens, bq, bk, heads):
                         keep[p + 1, h] = False
                         keep[p + 1, h, perm[-1]] = True
                         keep[p + 1, h, perm[0]] = True
-        ar = torch.arange(n)
-        order = torch.where(keep, ar, n + ar).sort(-1).values
-        idx = torch.where(order >= n, torch.full_like(order, -1), order)
-        idx_parts.append(torch.nn.functional.pad(idx, (0, width - n), value=-1))
-        num_parts.append(keep.sum(-1))
+        idx, num = _keep_to_selection(keep, width)
+        idx_parts.append(idx)
+        num_parts.append(num)
     return torch.cat(idx_parts), torch.cat(num_parts)
 
 

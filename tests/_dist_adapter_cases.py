@@ -3,8 +3,9 @@
 The toy transformer has what real families declare and Wan / Qwen-Image do not all exercise: a
 per-token tensor passed unsharded to every block (``"blocks.*"`` split), a rank-dependent scalar
 (``RankArg``: the first ``first_n`` tokens are treated differently, as HunyuanVideo-I2V's first-frame
-tokens), a tuple output of which only one element is token-wise (``SplitOutput(index=0)``), and a
-pipeline that batches CFG (``CfgPlan(kind="batched")``).
+tokens), a tuple output of which only one element is token-wise (``SplitOutput(index=0)``), RoPE
+tables passed in as a tuple argument (CogVideoX), and a pipeline that batches CFG
+(``CfgPlan(kind="batched")``).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ class ToyAttention(nn.Module):
     def set_processor(self, processor):
         self.processor = processor
 
-    def forward(self, x, freqs):
+    def forward(self, x, freqs, rope):
         q, k, v = (t.unflatten(-1, (H, D)) for t in self.qkv(x).chunk(3, dim=-1))
         q = q * freqs[None, :, None, :]  # a toy per-token "rotation"
+        k = k * rope[0][None, :, None, :] + rope[1][None, :, None, :]
         return self.processor.attn_fn(q, k, v).flatten(2)
 
 
@@ -39,8 +41,8 @@ class ToyBlock(nn.Module):
         super().__init__()
         self.attn = ToyAttention()
 
-    def forward(self, hidden_states, freqs, per_token, first_n: int):
-        out = hidden_states + self.attn(hidden_states, freqs) + per_token[..., None]
+    def forward(self, hidden_states, freqs, per_token, first_n: int, rope):
+        out = hidden_states + self.attn(hidden_states, freqs, rope) + per_token[..., None]
         scale = torch.ones_like(out[..., :1])
         scale[:, :first_n] = 2.0  # the first first_n tokens of the sequence: a different modulation
         return out * scale
@@ -64,13 +66,13 @@ class ToyTransformer(nn.Module):
     def cache_context(self, name):
         yield
 
-    def forward(self, hidden_states, timestep=None, per_token=None, first_n: int = 0, return_dict=False):
+    def forward(self, hidden_states, timestep=None, per_token=None, first_n: int = 0, rope=None, return_dict=False):
         x = self.embed(hidden_states)
         freqs, _ = self.pos(x.shape[1])
         if timestep is not None:
             x = x + timestep[:, None, None]
         for block in self.blocks:
-            x = block(hidden_states=x, freqs=freqs, per_token=per_token, first_n=first_n)
+            x = block(hidden_states=x, freqs=freqs, per_token=per_token, first_n=first_n, rope=rope)
         return (self.proj_out(x),)
 
 
@@ -81,8 +83,10 @@ class ToyPipeline:
         self.transformer = transformer
 
     def __call__(self, x, t, per_token, first_n):
+        pos = torch.arange(x.shape[1], dtype=torch.float32)[:, None].expand(x.shape[1], D)
+        rope = (torch.cos(0.1 * pos), torch.sin(0.1 * pos))  # tables the pipeline passes in, as CogVideoX's
         with self.transformer.cache_context("cond_uncond"):
-            return self.transformer(hidden_states=x, timestep=t, per_token=per_token, first_n=first_n,
+            return self.transformer(hidden_states=x, timestep=t, per_token=per_token, first_n=first_n, rope=rope,
                                     return_dict=False)[0]
 
 
@@ -93,7 +97,8 @@ def toy_family():
 
     plan = ShardingPlan(
         split_inputs=(SplitInput("blocks.0", "hidden_states", dim=1),
-                      SplitInput("blocks.*", "per_token", dim=1, ndim=2)),
+                      SplitInput("blocks.*", "per_token", dim=1, ndim=2),
+                      SplitInput("blocks.*", "rope", dim=0)),  # a (cos, sin) tuple argument
         split_outputs=(SplitOutput("pos", dim=0, index=0),),
         gather_outputs=(GatherOutput("proj_out", dim=1),),
         rank_args=(RankArg("blocks.*", "first_n", lambda n, start, stop: max(0, min(n - start, stop - start))),),

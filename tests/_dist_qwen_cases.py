@@ -13,8 +13,6 @@ import math
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # name -> kind, heads, (height, width), cfg_degree, zero_cond_t, sparsity, extra call arguments

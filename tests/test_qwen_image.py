@@ -127,10 +127,22 @@ def test_sparsity_zero_equals_stock_and_sparse_keeps_text_dense():
     assert {e.reason for e in st.events} == {"the text has a key-padding mask (the block-sparse kernel takes none)"}
 
 
+def test_sparse_edit_grid_counts_the_condition_image():
+    """Edit with a condition image of the output's size: one (2, h, w) grid, both images windowed."""
+    pipe = tiny_qwen_image_pipeline("edit", spec=SPEC)
+    lite_boost.boost(pipe, BoostConfig(sparse=SparseConfig(sparsity=0.75, block_size=4, backend="gather",
+                                                           keep_sink=False)))
+    out = _images(pipe, "edit", height=32, width=64)  # the condition image is 32 x 64 too: 4 x 8 tokens each
+    st = pipe.transformer._lite_boost.extras["sparse"]
+    assert st.grid == (2, 4, 8) and {e.path for e in st.events} == {"sparse"} and torch.isfinite(out).all()
+    _images(pipe, "edit")  # a 3 x 5 target with a 4 x 8 condition: no common grid, dense
+    assert st.grid is None and {e.path for e in st.events} == {"dense"}
+
+
 def test_sparse_joint_attention_keeps_text_rows_and_columns_dense():
     """The text queries attend every image key, and every image query attends every text key."""
     from lite_boost.adapter.sparse import ScheduledSparseAttention, SparseState
-    from lite_boost.ops.joint import JointTokens, joint_attention
+    from lite_boost.ops.joint import joint_attention
     from lite_boost.schedule import SparseSchedule
     import _dist_joint_cases as jc
 
@@ -257,3 +269,15 @@ def test_family_is_registered_with_its_features():
                                              "compile", "quant"))
     assert "no parallel-VAE adapter" in features["parallel_vae"]
     assert QWEN_IMAGE.quant_patterns == ("transformer_blocks.*",)
+
+
+def test_lite_boost_models_lists_the_families_and_their_features(capsys):
+    from lite_boost.cli import main
+
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| qwen-image |"))
+    assert "QwenImageEditPlusPipeline" in row and "| text_first | separate |" in row
+    assert row.count("| yes") == 7 and row.count("| no") == 1  # parallel_vae: no
+    assert "qwen-image: step caches first_block_cache, mag_cache, taylorseer_cache" in out
+    assert "| wan |" in out

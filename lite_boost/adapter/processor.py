@@ -86,7 +86,7 @@ class LiteBoostProcessor:
         return f"{type(self).__name__}(layer={self.layer_idx}, {self.role}, attn_fn={self.attn_fn!r})"
 
 
-def _as_phasors(emb, seq_len: int) -> torch.Tensor:
+def _as_phasors(emb) -> torch.Tensor:
     """complex64 (1, S, 1, D/2) phasors from a RotaryEmbedding or a complex (S, D/2) table."""
     if isinstance(emb, RotaryEmbedding):
         return emb.freqs
@@ -100,5 +100,5 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, emb) -> tuple[torch.Tensor, torc
 
     Only for q and k the caller owns (outputs of the projections / norms): the rotation overwrites them.
     """
-    freqs = _as_phasors(emb, q.shape[1])
+    freqs = _as_phasors(emb)
     return rotate(q, freqs, inplace=True), rotate(k, freqs, inplace=True)

@@ -27,13 +27,13 @@ import contextlib
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from ..config import BoostConfig, ConfigError
+from ..config import BoostConfig
 from .groups import ParallelMesh, init_mesh
-from .plan import PipelinePlan, PlanError, SequenceParallelHooks, ShardingPlan
+from .plan import PipelinePlan, PlanError, SequenceParallelHooks
 
 __all__ = ["initialize_usp", "parallelize", "unparallelize", "PlanError", "parallel_state", "check_vae"]
 

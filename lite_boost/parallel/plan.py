@@ -68,9 +68,10 @@ class PlanError(TypeError):
 class SplitInput:
     """Split input ``arg`` (keyword name) of ``module`` along ``dim`` before the module runs.
 
-    ``module`` may contain ``*`` (every matching module). ``ndim``: split only when the tensor has
-    this many dims (e.g. per-token timesteps), else pass. ``defines_length``: this tensor's ``dim``
-    is the sequence (sets / checks the sequence length).
+    ``module`` may contain ``*`` (every matching module). A tuple or list of tensors (RoPE tables a
+    pipeline passes in, as CogVideoX's ``image_rotary_emb``) has each element split. ``ndim``: split
+    only when the tensor has this many dims (e.g. per-token timesteps), else pass. ``defines_length``:
+    this tensor's ``dim`` is the sequence (sets / checks the sequence length).
     """
 
     module: str
@@ -280,9 +281,14 @@ class SequenceParallelHooks:
         return pre_hook
 
     def _make_split_input(self, spec: SplitInput, module: torch.nn.Module):
+        def fits(x):
+            return isinstance(x, torch.Tensor) and (spec.ndim is None or x.ndim == spec.ndim)
+
         def split(x):
-            if isinstance(x, torch.Tensor) and (spec.ndim is None or x.ndim == spec.ndim):
+            if fits(x):
                 return self._split(x, spec.dim, spec.defines_length)
+            if type(x) in (tuple, list) and x and all(fits(t) for t in x):  # e.g. (cos, sin) passed in
+                return type(x)(self._split(t, spec.dim, spec.defines_length) for t in x)
             return None
 
         return self._replace_arg(module, spec.arg, split)

@@ -61,8 +61,7 @@ def _layout(target, fn, family, sequence_degree: int):
     """(pipeline plan or None, transformers, their sharding plans); PlanError when a plan is missing."""
     from .parallel.plan import PlanError, ShardingPlan
 
-    pplan = family.pipeline if (family is not None and type(target).__name__ not in family.transformers
-                                and family.pipelines) else None
+    pplan = family.pipeline if (family is not None and family.is_pipeline(target)) else None
     models = family.transformers_of(target) if family is not None else [target]
     if pplan is not None and not models:
         raise PlanError(f"{type(target).__name__} has none of {list(pplan.transformers)} set")

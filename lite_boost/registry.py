@@ -22,6 +22,7 @@ function registered with :func:`register_model` boosts, and has no other capabil
 from __future__ import annotations
 
 import importlib
+import types
 from typing import Callable, Iterable, TypeVar
 
 __all__ = [
@@ -124,7 +125,7 @@ def lookup(target: object) -> BoostFn:
 
 def family_of(target_or_fn: object):
     """The family description behind a boost function or a target (None for plain boost functions)."""
-    fn = target_or_fn if callable(target_or_fn) and hasattr(target_or_fn, "family") else None
+    fn = target_or_fn if isinstance(target_or_fn, types.FunctionType) else None
     if fn is None:
         try:
             fn = lookup(target_or_fn)

@@ -189,10 +189,13 @@ class ModelFamily:
         if config.cache is not None and not self.supports("step_cache"):
             refuse("cache (BoostConfig.cache)", "step_cache")
 
+    def is_pipeline(self, target) -> bool:
+        """True if ``target``'s class (or a base) is one of this family's pipelines."""
+        return any(cls.__name__ in self.pipelines for cls in type(target).__mro__)
+
     def transformers_of(self, target) -> list:
         """The transformers of a pipeline of this family (``pipeline.transformers`` attributes) or [target]."""
-        if type(target).__name__ in self.transformers or not any(
-                hasattr(target, a) for a in self.pipeline.transformers):
+        if not self.is_pipeline(target):
             return [target]
         return [m for m in (getattr(target, a, None) for a in self.pipeline.transformers) if m is not None]
 

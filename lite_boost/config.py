@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .errors import ConfigError
+
 __all__ = [
     "ConfigError",
     "SparseConfig",
@@ -31,10 +33,6 @@ SPARSE_BACKEND_NAMES = ("npu", "cpp", "flex", "gather", "reference")
 SPARSE_TYPES = (None, "rf_v2")
 SPARSE_SELECTORS = ("subblock", "reference")  # = lite_boost.ops.sparse.SELECTORS (tested)
 SPARSE_BUDGETS = ("reference", "total")  # = lite_boost.ops.sparse.BUDGETS (tested)
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the accepted values."""
 
 
 def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None, allow_none=False):

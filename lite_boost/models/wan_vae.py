@@ -64,7 +64,8 @@ class WanVAEAdapter(VAEAdapter):
         self.t = 2 ** sum(bool(b) for b in vae.temperal_downsample)
         self.patch = cfg.patch_size or 1
         self.scale = 2 ** (len(cfg.dim_mult) - 1) * self.patch
-        self.out_channels = cfg.out_channels
+        # the decoder's output is unpatchified: Wan2.2-TI2V-5B's VAE (patch 2) declares out_channels 12 = 3 x 2 x 2
+        self.out_channels = cfg.out_channels // self.patch ** 2
         self.z_dim = cfg.z_dim
 
     # --- frame bookkeeping

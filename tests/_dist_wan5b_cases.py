@@ -281,8 +281,10 @@ def vae_case(mesh):
                 out[("chunked", label, n, h, w)] = dict(
                     dec=_diff(dec, ref_d) if whole else _diff(dec[:, :, :f0], ref_d[:, :, :f0]),
                     enc=_diff(enc, ref_e) if whole else _diff(enc[:, :, :e0], ref_e[:, :, :e0]),
-                    chunk0_equal=dec.shape == ref_d.shape and torch.equal(dec[:, :, :f0], ref_d[:, :, :f0])
-                    and torch.equal(enc[:, :, :e0], ref_e[:, :, :e0]), dec_calls=dc)
+                    # chunk 0 is the sequential call on a prefix (its 1x1 (post-)quant convolution over
+                    # fewer frames may round the last bit differently on some CPUs)
+                    chunk0=max(_diff(dec[:, :, :f0], ref_d[:, :, :f0]), _diff(enc[:, :, :e0], ref_e[:, :, :e0])),
+                    shape_ok=dec.shape == ref_d.shape and enc.shape == ref_e.shape, dec_calls=dc)
         # with the VAE's own spatial tiling (tiles of 64 x 64 pixels, stride 32)
         vae.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64, tile_sample_stride_height=32,
                           tile_sample_stride_width=32)

@@ -490,6 +490,23 @@ def _onednn_for_full_frame(module, x: torch.Tensor, weight, bias, full_rows: int
         return False
 
 
+# oneDNN reorders a CPU convolution's weight into its blocked layout at every call, so each call costs
+# at least that reorder: measured on one core, 0.17 s for a 3x3x3 1024 -> 1024 convolution (113 MB of
+# fp32 weights) producing one output row, 0.016 s at 512 -> 512 (28 MB). The overlapped exchange runs a
+# halo convolution as three calls (inner rows + two edge strips); above this weight size the two extra
+# calls cost more than the exchange they hide (a few ms on a CPU host), and the single-call path is used.
+_OVERLAP_MAX_WEIGHT_BYTES_CPU = 1 << 20
+
+
+def _overlap_pays(module) -> bool:
+    """Whether the overlapped (three-call) path suits this halo module ("auto" policy): always off the
+    CPU, on the CPU only for weights up to ``_OVERLAP_MAX_WEIGHT_BYTES_CPU``."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu":
+        return True
+    return weight.numel() * weight.element_size() <= _OVERLAP_MAX_WEIGHT_BYTES_CPU
+
+
 class _Band:
     """The row split of the network call in progress (None between calls): rank band sizes at root level."""
 
@@ -509,15 +526,18 @@ class _SpatialSplit:
 
     ``defer_gather``: the root returns its band (the caller gathers the method's final output once,
     valid when everything after the network calls is row-local); ``root_sizes`` then holds the band
-    sizes of the split calls (None when no call was split).
+    sizes of the split calls (None when no call was split). ``overlap_halo``: True / False for every
+    halo module, or "auto" (per module, :func:`_overlap_pays`); it needs the layout's ``unpad``.
     """
 
     DIM = -2
 
     def __init__(self, layout: SpatialLayout, coll: _Collectives, defer_gather: bool = False,
-                 overlap_halo: bool = True):
+                 overlap_halo: bool | str = "auto"):
+        if overlap_halo not in (True, False, "auto"):
+            raise ConfigError(f"overlap_halo must be one of [True, False, 'auto'], got {overlap_halo!r}")
         self.layout = layout
-        self.overlap_halo = overlap_halo and layout.unpad is not None
+        self.overlap_halo = overlap_halo if layout.unpad is not None else False
         self.patched: list = []  # (module, attribute, had an instance attribute, previous), in patch order
         self.coll = coll
         self.band = _Band()
@@ -717,7 +737,7 @@ class _SpatialSplit:
                     seconds.add(id(b))
         try:
             for mod, rows in layout.halo:
-                if self.overlap_halo:
+                if self.overlap_halo is True or (self.overlap_halo == "auto" and _overlap_pays(mod)):
                     self._patch(mod, "forward", lambda orig, mod=mod, rows=rows: self._halo_forward(
                         mod, orig, rows, first_of=firsts.get(id(mod)), second=id(mod) in seconds))
                     continue
@@ -763,7 +783,9 @@ class ParallelVAE:
 
     Attributes: ``mode`` ("exact" | "chunked"), ``overlap``, ``chunk_size``, ``gather`` ("all" |
     "rank0"), ``comm`` (the Communicator), ``adapter``, ``last_plan`` (the ChunkPlan of the last
-    chunked call, for inspection), ``calls`` (counts per kind), ``record_phases`` (chunked mode: time
+    chunked call, for inspection), ``calls`` (counts per kind), ``overlap_halo`` (exact mode: True,
+    False or "auto", the default: start each halo exchange before the band's inner rows and convolve
+    the two edge strips after it, where the extra convolution calls pay), ``record_phases`` (chunked mode: time
     each call's phases into ``last_phases``, a list of ``{"name", "wall", "cpu", ...}`` records: one
     ``"chunk"`` per own chunk with its frame range, then ``"concat_pad"``, ``"gather"``, ``"stitch"``;
     off unless set, or unless the environment has ``LITE_BOOST_VAE_PHASES=1``).
@@ -791,8 +813,9 @@ class ParallelVAE:
         self.previous: dict[str, Any] = {}
         self.last_plan: ChunkPlan | None = None
         self.calls = {"decode": 0, "encode": 0}
-        # exact mode: overlap each halo exchange with the convolution of the band's inner rows
-        self.overlap_halo = True
+        # exact mode: overlap each halo exchange with the convolution of the band's inner rows (True),
+        # never (False), or where the extra convolution calls pay ("auto": see _overlap_pays)
+        self.overlap_halo: bool | str = "auto"
         # chunked mode: when True, each call's phases (per chunk, concat/pad, gather, stitch) are timed
         # into ``last_phases`` (benchmarks; env LITE_BOOST_VAE_PHASES=1 turns it on at install)
         self.record_phases = os.environ.get("LITE_BOOST_VAE_PHASES", "") not in ("", "0")

@@ -238,28 +238,15 @@ def vae_inputs(n_lat, h, w, seed):
 def vae_case(mesh):
     """The 48-channel residual, patchified VAE: exact mode (decode and encode, uneven bands, the VAE's own
     spatial tiling, a call too small to split) and chunked mode vs the sequential VAE."""
+    from _dist_vae_cases import _run
     from _tiny_wan5b import tiny_wan5b_vae
-    from lite_boost.parallel.vae import parallel_vae_state, parallelize_vae, unparallelize_vae
 
     comm = mesh.world
     vae = tiny_wan5b_vae()
     out = {}
 
     def run(z, x, **kw):
-        parallelize_vae(vae, comm, **kw)
-        stats = comm.enable_stats()
-        stats.reset()
-        try:
-            dec = vae.decode(z).sample
-            dc = dict(stats.calls)
-            plan = parallel_vae_state(vae).last_plan
-            stats.reset()
-            enc = vae.encode(x).latent_dist.mean
-            ec = dict(stats.calls)
-            enc_plan = parallel_vae_state(vae).last_plan
-        finally:
-            unparallelize_vae(vae)
-            comm.stats = None
+        dec, enc, dc, ec, (plan, enc_plan) = _run(vae, comm, z, x, **kw)
         return dec, enc, dc, ec, plan, enc_plan
 
     with torch.no_grad():

@@ -12,8 +12,6 @@ VAE for decode and encode, each against the one-process run.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
@@ -173,17 +171,8 @@ def _transformer_inputs(grid=(3, 3, 5), i2v=True, t=700.0):
     return x, ts, torch.randn(1, 512, 32, generator=g)
 
 
-@pytest.fixture
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.parametrize("kind", ["stock", "dense", "sparse"])
-def test_explain_reports_no_graph_break_with_per_token_timesteps(kind, _fresh_dynamo):
+def test_explain_reports_no_graph_break_with_per_token_timesteps(kind, fresh_dynamo):
     model = tiny_wan5b_transformer()
     if kind != "stock":
         sparse = SparseConfig(sparsity=0.8, block_size=4, dense_steps_first=0) if kind == "sparse" else None
@@ -195,7 +184,7 @@ def test_explain_reports_no_graph_break_with_per_token_timesteps(kind, _fresh_dy
 
 
 @pytest.mark.slow
-def test_compile_repeated_blocks_fullgraph_matches_eager(_fresh_dynamo):
+def test_compile_repeated_blocks_fullgraph_matches_eager(fresh_dynamo):
     """diffusers' regional recipe with inductor on a boosted 5B transformer, per-token timesteps, two steps."""
     model = lite_boost.boost(tiny_wan5b_transformer())
     steps = [_transformer_inputs(t=900.0), _transformer_inputs(t=600.0)]

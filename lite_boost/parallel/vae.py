@@ -491,10 +491,11 @@ def _onednn_for_full_frame(module, x: torch.Tensor, weight, bias, full_rows: int
 
 
 # oneDNN reorders a CPU convolution's weight into its blocked layout at every call, so each call costs
-# at least that reorder: measured on one core, 0.17 s for a 3x3x3 1024 -> 1024 convolution (113 MB of
-# fp32 weights) producing one output row, 0.016 s at 512 -> 512 (28 MB). The overlapped exchange runs a
-# halo convolution as three calls (inner rows + two edge strips); above this weight size the two extra
-# calls cost more than the exchange they hide (a few ms on a CPU host), and the single-call path is used.
+# at least that reorder, about 1.4 ms per MB of fp32 weight on one core (measured: 0.17 s for a 3x3x3
+# 1024 -> 1024 convolution, 113 MB, producing one output row; 9 ms per edge strip at 256 -> 256, 7 MB).
+# The overlapped exchange runs a halo convolution as three calls (inner rows + two edge strips); above
+# about 1 MB the two extra calls cost more than the exchange they hide (~3 ms for a gloo all_to_all on
+# a CPU host), so such convolutions take the single-call path (Wan2.2-5B's VAE: all but conv_out).
 _OVERLAP_MAX_WEIGHT_BYTES_CPU = 1 << 20
 
 

@@ -223,6 +223,22 @@ def test_vae_adapter_of_the_48_channel_vae():
         ad.spatial_layout("encode")
 
 
+def test_exact_mode_overlap_policy():
+    """"auto" overlaps the halo exchange of small CPU convolutions only (oneDNN reorders the weight at every
+    call, so the overlapped path's two extra calls outweigh the hidden exchange for large weights)."""
+    from torch import nn
+
+    from lite_boost.config import ConfigError
+    from lite_boost.parallel.comm import Communicator
+    from lite_boost.parallel.vae import _overlap_pays, parallelize_vae
+
+    assert _overlap_pays(nn.Conv3d(16, 16, 3))  # 108 KiB of fp32 weights
+    assert not _overlap_pays(nn.Conv3d(128, 128, 3))  # 1.7 MiB
+    assert _overlap_pays(nn.Conv3d(128, 128, 3, device="meta"))  # no per-call weight reorder off the CPU
+    with pytest.raises(ConfigError, match=r"overlap_halo must be one of \[True, False, 'auto'\], got 'always'"):
+        parallelize_vae(tiny_wan5b_vae(), Communicator(None, 1, 0), overlap_halo="always")
+
+
 # ------------------------------------------------------------------------------------------ multi-process
 _RESULTS = {}
 

@@ -499,6 +499,11 @@ def _onednn_for_full_frame(module, x: torch.Tensor, weight, bias, full_rows: int
 _OVERLAP_MAX_WEIGHT_BYTES_CPU = 1 << 20
 
 
+def _check_overlap_halo(value) -> None:
+    if not (value is True or value is False or value == "auto"):
+        raise ConfigError(f"overlap_halo must be one of [True, False, 'auto'], got {value!r}")
+
+
 def _overlap_pays(module) -> bool:
     """Whether the overlapped (three-call) path suits this halo module ("auto" policy): always off the
     CPU, on the CPU only for weights up to ``_OVERLAP_MAX_WEIGHT_BYTES_CPU``."""
@@ -535,8 +540,7 @@ class _SpatialSplit:
 
     def __init__(self, layout: SpatialLayout, coll: _Collectives, defer_gather: bool = False,
                  overlap_halo: bool | str = "auto"):
-        if overlap_halo not in (True, False, "auto"):
-            raise ConfigError(f"overlap_halo must be one of [True, False, 'auto'], got {overlap_halo!r}")
+        _check_overlap_halo(overlap_halo)
         self.layout = layout
         self.overlap_halo = overlap_halo if layout.unpad is not None else False
         self.patched: list = []  # (module, attribute, had an instance attribute, previous), in patch order
@@ -793,7 +797,8 @@ class ParallelVAE:
     """
 
     def __init__(self, vae, adapter: VAEAdapter, comm: Communicator, *, mode: str, overlap: int | None = None,
-                 chunk_size: int | None = None, gather: str = "all", timeout_s: float | None = None):
+                 chunk_size: int | None = None, gather: str = "all", timeout_s: float | None = None,
+                 overlap_halo: bool | str = "auto"):
         if mode not in ("exact", "chunked"):
             raise ConfigError(f"vae_parallel must be one of ['exact', 'chunked'] to install, got {mode!r}")
         if gather not in VAE_GATHER:
@@ -802,6 +807,7 @@ class ParallelVAE:
             _check_pos_int("vae_overlap", overlap)
         if chunk_size is not None:
             _check_pos_int("vae_chunk_size", chunk_size)
+        _check_overlap_halo(overlap_halo)
         self.vae = vae
         self.adapter = adapter
         self.comm = comm
@@ -816,7 +822,7 @@ class ParallelVAE:
         self.calls = {"decode": 0, "encode": 0}
         # exact mode: overlap each halo exchange with the convolution of the band's inner rows (True),
         # never (False), or where the extra convolution calls pay ("auto": see _overlap_pays)
-        self.overlap_halo: bool | str = "auto"
+        self.overlap_halo: bool | str = overlap_halo
         # chunked mode: when True, each call's phases (per chunk, concat/pad, gather, stitch) are timed
         # into ``last_phases`` (benchmarks; env LITE_BOOST_VAE_PHASES=1 turns it on at install)
         self.record_phases = os.environ.get("LITE_BOOST_VAE_PHASES", "") not in ("", "0")
@@ -945,10 +951,11 @@ def parallel_vae_state(vae) -> ParallelVAE | None:
 
 def parallelize_vae(vae, comm: Communicator, *, mode: str | None = "exact", overlap: int | None = None,
                     chunk_size: int | None = None, gather: str = "all", timeout_s: float | None = None,
-                    adapter: VAEAdapter | None = None) -> ParallelVAE | None:
+                    adapter: VAEAdapter | None = None, overlap_halo: bool | str = "auto") -> ParallelVAE | None:
     """Install the parallel decode / encode on ``vae`` (instance patch; ``unparallelize_vae`` removes it).
 
     mode: "exact", "chunked" or "off" (None = "exact" when ``comm.size > 1``, else "off").
+    overlap_halo (exact mode): True, False or "auto" (see :class:`ParallelVAE`).
     Raises UnsupportedVAEError / ConfigError before any collective. Returns the runner or None (off).
     """
     if mode is None:
@@ -960,7 +967,7 @@ def parallelize_vae(vae, comm: Communicator, *, mode: str | None = "exact", over
     if mode == "off":
         return None
     runner = ParallelVAE(vae, adapter, comm, mode=mode, overlap=overlap, chunk_size=chunk_size, gather=gather,
-                         timeout_s=timeout_s)
+                         timeout_s=timeout_s, overlap_halo=overlap_halo)
     return runner.install()
 
 

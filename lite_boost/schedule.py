@@ -60,8 +60,9 @@ class StepTracker:
     attached (:meth:`attach`), the step is its scheduler's ``step_index`` (None before the first
     ``scheduler.step`` = step 0) and the total is ``len(scheduler.timesteps)``; otherwise the step
     counts distinct consecutive timesteps. A timestep larger than the previous one (noise goes
-    up), or a scheduler step index lower than the previous one, starts a new generation. ``call`` numbers the forwards inside one step (0 = conditional,
-    1 = unconditional with classifier-free guidance), so masks are never shared across CFG branches.
+    up), or a scheduler step index lower than the previous one, starts a new generation. ``call``
+    numbers the forwards inside one step (0 = conditional, 1 = unconditional with classifier-free
+    guidance), so masks are never shared across CFG branches.
     """
 
     def __init__(self):

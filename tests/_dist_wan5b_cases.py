@@ -263,8 +263,8 @@ def vae_case(mesh):
             # every halo convolution as one call after its exchange (the "auto" policy's path for large
             # CPU convolutions; this VAE's are small, so "auto" above overlaps every exchange)
             dec, enc, dc, ec, _, _ = run(z, x, mode="exact", overlap_halo=False)
-            out[key[:1] + ("single_call",) + key[1:]] = dict(dec=_diff(dec, ref_d), enc=_diff(enc, ref_e),
-                                                             halos=dc.get("vae_halo", 0), enc_halos=ec.get("vae_halo", 0))
+            out[key[:1] + ("single_call",) + key[1:]] = dict(
+                dec=_diff(dec, ref_d), enc=_diff(enc, ref_e), halos=dc.get("vae_halo", 0), enc_halos=ec.get("vae_halo", 0))
             for label, overlap in (("prefix", n), ("default", None)):
                 dec, enc, dc, ec, plan, enc_plan = run(z, x, mode="chunked", overlap=overlap)
                 f0 = 1 + 4 * (plan.chunks[0].stop - 1)

@@ -133,7 +133,8 @@ def _diffusers_cache(method, kind, pipe):
     if method == "mag_cache":
         return h.MagCacheConfig(**p)
     if method == "taylorseer_cache":
-        return h.TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=2, taylor_factors_dtype=torch.float32,
+        return h.TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=2,
+                                       taylor_factors_dtype=torch.float32,
                                        cache_identifiers=[r"^blocks\.\d+\.(attn1|attn2|ffn)$"])
     if method == "pyramid_attention_broadcast":
         return h.PyramidAttentionBroadcastConfig(**p, current_timestep_callback=lambda: pipe.current_timestep)

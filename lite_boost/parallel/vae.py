@@ -788,12 +788,13 @@ class ParallelVAE:
 
     Attributes: ``mode`` ("exact" | "chunked"), ``overlap``, ``chunk_size``, ``gather`` ("all" |
     "rank0"), ``comm`` (the Communicator), ``adapter``, ``last_plan`` (the ChunkPlan of the last
-    chunked call, for inspection), ``calls`` (counts per kind), ``overlap_halo`` (exact mode: True,
-    False or "auto", the default: start each halo exchange before the band's inner rows and convolve
-    the two edge strips after it, where the extra convolution calls pay), ``record_phases`` (chunked mode: time
-    each call's phases into ``last_phases``, a list of ``{"name", "wall", "cpu", ...}`` records: one
-    ``"chunk"`` per own chunk with its frame range, then ``"concat_pad"``, ``"gather"``, ``"stitch"``;
-    off unless set, or unless the environment has ``LITE_BOOST_VAE_PHASES=1``).
+    chunked call, for inspection), ``calls`` (counts per kind), ``overlap_halo`` (exact mode: True =
+    start each halo exchange before convolving the band's inner rows, then convolve the two edge
+    strips; False = one convolution call after the exchange; "auto", the default = True where the
+    two extra calls pay, per module), ``record_phases`` (chunked mode: time each call's phases into
+    ``last_phases``, a list of ``{"name", "wall", "cpu", ...}`` records: one ``"chunk"`` per own
+    chunk with its frame range, then ``"concat_pad"``, ``"gather"``, ``"stitch"``; off unless set, or
+    unless the environment has ``LITE_BOOST_VAE_PHASES=1``).
     """
 
     def __init__(self, vae, adapter: VAEAdapter, comm: Communicator, *, mode: str, overlap: int | None = None,

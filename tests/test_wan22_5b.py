@@ -104,6 +104,36 @@ def test_sparse_attention(kind):
     assert any(r for *_, r in events)  # masks reused within the mask_reuse_steps window
 
 
+def test_step_tracker_with_per_token_timesteps():
+    """The sparse schedule's step tracker on TI2V timesteps: the noise level is the largest timestep (frame 0
+    is at 0), and a scheduler step index going back starts a new generation even when every timestep a
+    call sees is 0 (a sequence shard holding only frame-0 tokens, as the compiled path observes it)."""
+    from types import SimpleNamespace
+
+    from lite_boost.schedule import StepTracker
+
+    tracker = StepTracker()
+    tracker.observe(torch.tensor([[0.0, 0.0, 900.0, 900.0]]))
+    tracker.observe(torch.tensor([[0.0, 0.0, 700.0, 700.0]]))
+    assert (tracker.step, tracker.generation) == (1, 0)
+    tracker.observe(torch.tensor([[0.0, 0.0, 900.0, 900.0]]))  # noise went up: a new call
+    assert (tracker.step, tracker.generation) == (0, 1)
+
+    class Pipe:  # the tracker keeps a weak reference to the pipeline
+        scheduler = SimpleNamespace(step_index=None, timesteps=[900, 700, 500])
+
+    pipe = Pipe()
+    sched = pipe.scheduler
+    tracker = StepTracker()
+    tracker.attach(pipe)
+    zeros = torch.zeros(1, 4)
+    for generation in range(2):
+        for idx in (None, 1, 2):
+            sched.step_index = idx
+            tracker.observe(zeros)
+            assert (tracker.step, tracker.generation, tracker.total) == (idx or 0, generation, 3)
+
+
 # ------------------------------------------------------------------------------------------ step caching
 STEPS = 6
 CACHES = {  # ours (lite_boost's names) -> diffusers' config on stock

@@ -62,6 +62,10 @@ class DenseAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return attention(q, k, v, layout="BSND", backend=self.backend)
 
+    def lse_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """The same attention with the log-sum-exp (B, H, S) of each row: what Ring attention merges."""
+        return attention(q, k, v, layout="BSND", backend=self.backend, return_lse=True)
+
     def __repr__(self) -> str:
         return f"DenseAttention(backend={self.backend!r})"
 

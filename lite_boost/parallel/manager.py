@@ -308,6 +308,9 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh:
 
         check_cache_support(target, config.cache, cfg_degree=mesh.cfg_degree if mesh is not None
                             else config.parallel.cfg_degree)  # method / model fit, before any collective
+    from .ring import check_ring_support
+
+    check_ring_support(config, mesh=mesh, device=device)  # kernels without lse under ring: before any collective
     if mesh is None:
         if config.parallel.cfg_degree > 1 and (pplan is None or pplan.cfg is None):
             raise ConfigError(
@@ -333,7 +336,7 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh:
         state = _ModelParallel(mesh=mesh)
         if mesh.sequence_degree > 1:
             plan = _sharding_plan(model)
-            state.hooks = SequenceParallelHooks(model, plan, mesh.sequence).apply()
+            state.hooks = SequenceParallelHooks(model, plan, mesh.sequence, mesh.sequence_attention).apply()
             runtime = model._lite_boost.extras.get("cache")
             if runtime is not None:  # data-dependent cache decisions: one statistic per sequence group
                 from .cache import make_cache_rank_consistent

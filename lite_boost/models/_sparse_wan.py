@@ -140,23 +140,28 @@ class SparseWanAttention:
             return torch.ops.lite_boost_graph.wan_sparse_attention(q, k, v, self._key, grid)
         return self.run(q, k, v)
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def ring_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring) -> torch.Tensor:
+        """Under Ring attention (lite_boost.parallel.ring): q, k, v are this rank's chunk (eager)."""
+        return self.run(q, k, v, ring=ring)
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring=None) -> torch.Tensor:
         """The eager body: schedule, mask reuse, sparse_attention (or the dense function)."""
         st, cfg = self.state, self.state.config
         tr = st.tracker
         why = st.schedule.dense_reason(tr.step, tr.total, self.layer_idx)
         grid = st.grid
-        if why is None and (grid is None or math.prod(grid) != q.shape[1] or k.shape[1] != q.shape[1]):
-            why = f"sequence length {q.shape[1]} does not match the latent grid {grid}"
+        n = q.shape[1] if ring is None else ring.seq_len  # the whole sequence's length
+        if why is None and (grid is None or math.prod(grid) != n or k.shape[1] != q.shape[1]):
+            why = f"sequence length {n} does not match the latent grid {grid}"
         if why is not None:
             self._record("dense", why)
-            return self.dense_fn(q, k, v)
+            return self.dense_fn(q, k, v) if ring is None else ring.attention(self.dense_fn, q, k, v)
         key = (self.layer_idx, tr.call)
         cached = st.masks.get(key)
         selection = None
         if cached is not None and st.schedule.reuse(tr.step, cached[0]):
             sel: BlockSelection = cached[1]
-            if sel.signature[:5] == (q.shape[0], q.shape[2], k.shape[2], q.shape[1], k.shape[1]) and sel.signature[6] == grid:
+            if sel.signature[:5] == (q.shape[0], q.shape[2], k.shape[2], n, n) and sel.signature[6] == grid:
                 selection = sel
         out, stats = sparse_attention(
             q, k, v, head_num=q.shape[2], input_layout="BSND", sparse_type=cfg.sparse_type,
@@ -164,6 +169,7 @@ class SparseWanAttention:
             cdf_threshold=cfg.cdf_threshold, sparsity=cfg.sparsity, window=cfg.window,
             min_seq_len=cfg.min_seq_len, selection=selection, return_stats=True, backend=cfg.backend,
             budget=cfg.budget, selector=cfg.selector, selector_reps=cfg.selector_reps,
+            **({} if ring is None else {"ring": ring}),
         )
         stats: SparseStats
         if stats.selection is not None and selection is None:

@@ -255,7 +255,7 @@ class RingAttention:
         comm = self.comm
         if comm.size == 1:
             return rows.clone()
-        unit = rows[0].numel() if rows.ndim > 1 else 1
+        unit = math.prod(rows.shape[1:])
         flat = rows.reshape(-1)
         got = comm.exchange(flat, [c * unit for c in recv_counts], [c * unit for c in send_counts], op=op)
         return got.view((sum(recv_counts),) + tuple(rows.shape[1:]))

@@ -250,9 +250,20 @@ def test_comm_volume_formula_reproduces_the_design_table():
 
 
 # ------------------------------------------------------------------------------------------ multi-process
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda p: f"{p}ranks")
+_RESULTS = {}
+WORLDS = pytest.mark.parametrize("dist", [2, 3, 4], ids=lambda p: f"{p}ranks", indirect=True)
+
+
+def _results(world):
+    """Every case of one world size, from one spawn (cached for the module)."""
+    if world not in _RESULTS:
+        _RESULTS[world] = run_ranks(cases.run_all, world, timeout=900)
+    return _RESULTS[world]
+
+
+@pytest.fixture
 def dist(request):
-    return request.param, run_ranks(cases.run_all, request.param, timeout=900)
+    return request.param, _results(request.param)
 
 
 def _attention_sets(world, results):
@@ -262,6 +273,7 @@ def _attention_sets(world, results):
     return out
 
 
+@WORLDS
 def test_ring_and_usp_attention_match_float64_reference(dist):
     world, results = dist
     for kind, res in _attention_sets(world, results):
@@ -276,6 +288,7 @@ def test_ring_and_usp_attention_match_float64_reference(dist):
                 assert r["bitwise_chunked"], (world, name)
 
 
+@WORLDS
 def test_next_transfer_is_posted_before_the_compute_and_waited_after_it(dist):
     world, results = dist
     for res in results:
@@ -287,6 +300,7 @@ def test_next_transfer_is_posted_before_the_compute_and_waited_after_it(dist):
         assert ("post", world) not in at  # no transfer after the last chunk
 
 
+@WORLDS
 def test_counted_bytes_match_the_formulas(dist):
     world, results = dist
     for kind, res in _attention_sets(world, results):
@@ -300,6 +314,7 @@ def test_counted_bytes_match_the_formulas(dist):
         assert b["allgather"]["ring_calls"] == {"ring_kv_allgather": 1}
 
 
+@WORLDS
 def test_joint_text_attention_through_ring_and_usp(dist):
     from _dist_joint_cases import JOINT_SHAPES
 
@@ -315,6 +330,7 @@ def test_joint_text_attention_through_ring_and_usp(dist):
             assert len({c["joint_sum"] for c in per_rank}) == 1  # the text output is the same on every rank
 
 
+@WORLDS
 def test_sparse_ring_selects_the_one_process_blocks(dist):
     world, results = dist
     for name, (grid, bs, *_rest) in cases.SPARSE_SHAPES.items():
@@ -334,10 +350,9 @@ def test_sparse_ring_selects_the_one_process_blocks(dist):
 
 
 @pytest.mark.parametrize("name", list(cases.WAN_CASES))
-def test_wan_parity_with_one_process(dist, name):
-    world, results = dist
-    if name not in cases.WAN_BY_WORLD[world]:
-        pytest.skip(f"runs with {next(w for w, n in cases.WAN_BY_WORLD.items() if name in n)} ranks")
+def test_wan_parity_with_one_process(name):
+    world = next(w for w, names in cases.WAN_BY_WORLD.items() if name in names)
+    results = _results(world)
     kind, heads, shape, par, sparsity, extras = cases.WAN_CASES[name]
     cfg_degree = par.get("cfg_degree", 1)
     ring = par.get("ring_degree")
@@ -376,11 +391,8 @@ def _grid(hwf):
     return ((f - 1) // 4 + 1, h // 16, w // 16)
 
 
-def test_compiled_ring_has_no_graph_break_and_matches_eager(dist):
-    world, results = dist
-    if world != 2:
-        pytest.skip("runs with 2 ranks")
-    for res in results:
+def test_compiled_ring_has_no_graph_break_and_matches_eager():
+    for res in _results(2):
         for kind, c in res["compile"].items():
             assert c["breaks"] == c["stock_breaks"] == 0 and c["graphs"] == c["stock_graphs"] == 1, (kind, c)
             assert max(c["diffs"]) <= 1e-4, (kind, c)
@@ -390,6 +402,7 @@ def test_compiled_ring_has_no_graph_break_and_matches_eager(dist):
         assert res["compile"]["sparse"]["eager_collectives"].get("ring_kv", 0) > 0
 
 
+@WORLDS
 def test_mesh_groups(dist):
     world, results = dist
     for rank, res in enumerate(results):

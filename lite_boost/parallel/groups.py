@@ -336,8 +336,9 @@ def init_mesh(
     seq_comm = comms["sequence"]
     if ring_degree == 1:
         comms["ulysses"] = seq_comm
-    if ulysses_degree == 1:
-        comms["ring"] = seq_comm
+    if ulysses_degree == 1:  # the same process group, its own name (errors say "ring") and counters
+        comms["ring"] = (Communicator(seq_comm.group, size=seq_comm.size, rank=seq_comm.rank, name="ring",
+                                      ranks=seq_comm.ranks, timeout_s=timeout_s) if ring_degree > 1 else seq_comm)
     if world_size > 1:
         world_comm = Communicator(world_group, size=world_size, rank=rank, name="world", timeout_s=timeout_s)
     else:

@@ -311,7 +311,7 @@ def test_counted_bytes_match_the_formulas(dist):
         u = 2 if kind == "usp" else 1
         r = world // u
         assert b["p2p"]["ring_calls"] == {"ring_kv": r - 1}  # one exchange per step but the last
-        assert b["allgather"]["ring_calls"] == {"ring_kv_allgather": 1}
+        assert b["allgather"]["ring_calls"] == {"ring_kv_allgather": 2}  # K and V, no concatenation copy
 
 
 @WORLDS
@@ -364,7 +364,7 @@ def test_wan_parity_with_one_process(name):
         # one ring pass per self-attention: ring - 1 exchanges each (p2p), per transformer call this rank runs
         calls = r["ring_calls"]
         passes = calls.get("ring_kv", 0) // (ring - 1) if "allgather" not in par.get("rotate_method", "") else \
-            calls.get("ring_kv_allgather", 0)
+            calls.get("ring_kv_allgather", 0) // 2
         steps = extras.get("steps", 2)
         transformer_calls = steps * 2 // cfg_degree  # CFG: cond + uncond per step, split over the cfg group
         cached = sum(not d for d in r.get("decisions", []))  # First-Block Cache skips the remaining blocks

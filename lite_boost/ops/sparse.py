@@ -537,12 +537,12 @@ def _ring_rf_v2(q4, k4, v4, ring, order, select: _Selector, selection, signature
     buf = qkv.new_zeros((3, b, n1, pchunk, d))
     buf.index_copy_(3, recv_pos, got.permute(1, 2, 3, 0, 4))
     qp = buf[0, :, :, :prow].contiguous()
-    kv = buf[1:]
+    kv = (buf[1], buf[2])
     # -- selection for my query blocks (the key blocks gathered once for scoring, unless reused)
     if selection is not None:
         idx, num, pairs = selection.select_idx, selection.select_num, None
     else:
-        keys = ring.all_gather(buf[1], op="ring_sparse_keys")  # (r, B, N, pchunk, D)
+        keys = ring.all_gather(kv[0], op="ring_sparse_keys")  # (r, B, N, pchunk, D)
         k_full = torch.cat([keys[j, :, :, :max(0, min(pchunk, seq_len - j * pchunk))] for j in range(size)], dim=2)
         del keys
         if prow:
@@ -569,7 +569,7 @@ def _ring_rf_v2(q4, k4, v4, ring, order, select: _Selector, selection, signature
         if not bool((sn > 0).any()):  # none of my rows selects a block of this chunk: skip (still relayed)
             return
         o, lse = _rf.rain_fusion_attention(
-            qp, chunk_kv[0, :, :, :vk], chunk_kv[1, :, :, :vk], si, sn, [block, block], q_input_layout="BNSD",
+            qp, chunk_kv[0][:, :, :vk], chunk_kv[1][:, :, :vk], si, sn, [block, block], q_input_layout="BNSD",
             kv_input_layout="BNSD", scale_value=select.scale, inner_precise=inner_precise, return_lse=True,
             backend=backend)
         if not acc:

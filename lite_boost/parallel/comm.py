@@ -263,25 +263,31 @@ class Communicator:
         """Group rank this rank receives from in a ring exchange."""
         return (self.rank - 1) % self.size
 
-    def ring_shift_start(self, send: torch.Tensor, recv: torch.Tensor, op: str = "ring_kv") -> RingShift:
+    def ring_shift_start(self, send, recv, op: str = "ring_kv") -> RingShift:
         """Post: ``send`` to the next rank, ``recv`` filled by the previous one (one batch_isend_irecv).
 
-        Returns a :class:`RingShift`; call ``wait()`` before reading ``recv`` or writing ``send``.
-        Both tensors must be contiguous and of one shape on every rank. Size 1: a local copy.
+        ``send`` / ``recv``: a tensor or a tuple of tensors (e.g. K and V: one batch, no packing copy),
+        pairwise of one shape and dtype, contiguous, the same on every rank. Returns a
+        :class:`RingShift`; call ``wait()`` before reading ``recv`` or writing ``send``. Size 1: a
+        local copy.
         """
-        if send.shape != recv.shape or send.dtype != recv.dtype:
-            raise ValueError(f"ring shift needs send and recv of one shape and dtype, got {tuple(send.shape)} "
-                             f"{send.dtype} and {tuple(recv.shape)} {recv.dtype}")
-        if not (send.is_contiguous() and recv.is_contiguous()):
+        sends = (send,) if isinstance(send, torch.Tensor) else tuple(send)
+        recvs = (recv,) if isinstance(recv, torch.Tensor) else tuple(recv)
+        if len(sends) != len(recvs) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(sends, recvs)):
+            raise ValueError(f"ring shift needs send and recv tensors of one shape and dtype each, got "
+                             f"{[(tuple(a.shape), a.dtype) for a in sends]} and {[(tuple(b.shape), b.dtype) for b in recvs]}")
+        if not all(t.is_contiguous() for t in sends + recvs):
             raise ValueError("ring shift needs contiguous send and recv buffers")
         t0 = time.monotonic()
         if self.size == 1:
-            recv.copy_(send)
+            for a, b in zip(sends, recvs):
+                b.copy_(a)
             return RingShift(self, (), op, t0, recv)
-        nbytes = send.numel() * send.element_size()
+        nbytes = sum(t.numel() * t.element_size() for t in sends)
         self._record(op, nbytes, nbytes)
-        ops = [dist.P2POp(dist.isend, send, peer=self.ranks[self.next_rank], group=self.group),
-               dist.P2POp(dist.irecv, recv, peer=self.ranks[self.prev_rank], group=self.group)]
+        nxt, prev = self.ranks[self.next_rank], self.ranks[self.prev_rank]
+        ops = [dist.P2POp(dist.isend, t, peer=nxt, group=self.group) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer=prev, group=self.group) for t in recvs]
         works = self._call(op, dist.batch_isend_irecv, ops)
         return RingShift(self, works, op, t0, recv)
 

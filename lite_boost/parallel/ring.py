@@ -76,16 +76,6 @@ def _valid(seq_len: int, chunk: int, j: int) -> int:
     return max(0, min(chunk, seq_len - j * chunk))
 
 
-def _pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """(2, *k.shape) contiguous K/V buffer: a view when k and v are adjacent slabs of one tensor
-    (the Ulysses exchange's output), else one copy."""
-    if (not torch.compiler.is_compiling() and k.shape == v.shape and k.dtype == v.dtype and k.is_contiguous()
-            and v.is_contiguous() and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
-            and v.data_ptr() - k.data_ptr() == k.numel() * k.element_size()):
-        return k.as_strided((2,) + tuple(k.shape), (k.numel(),) + tuple(k.stride()))
-    return torch.stack((k, v))
-
-
 def masked_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
                    kernel: Callable, rows: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, S, H, D), lse (B, H, S) fp32) of q over k/v with a (B, T) key mask (True = attend).
@@ -195,43 +185,49 @@ class RingAttention:
         if self.trace is not None and not torch.compiler.is_compiling():
             self.trace.append((event, step))
 
-    def relay(self, buf: torch.Tensor, step: Callable[[int, torch.Tensor], None]) -> None:
-        """Run ``step(j, chunk)`` for every chunk of the ring, this rank's first: j = i, i-1, ... (mod r).
+    def relay(self, chunk, step: Callable[[int, tuple], None]) -> None:
+        """Run ``step(j, (t_1, ...))`` for every chunk of the ring, this rank's first: j = i, i-1, ... (mod r).
 
-        ``buf`` is this rank's chunk (one shape and dtype on every rank); it may be overwritten (it is
-        half of the p2p double buffer). p2p: the exchange of step t + 1 is posted before ``step`` runs
-        for step t and waited after it. Every rank calls ``relay`` in lockstep (each is a ring pass).
+        ``chunk``: this rank's tensors of the chunk (e.g. ``(k, v)``), each of one shape and dtype on
+        every rank; they are sent as they are and never written. p2p: the exchange of step t + 1 is
+        posted before ``step`` runs for step t and waited after it, into a receive buffer (one set at
+        ring degree 2, two sets above: the double buffer); the received chunk is sent on at the next
+        step. Every rank calls ``relay`` in lockstep (each call is one ring pass).
         """
         comm = self.comm
         r, i = comm.size, comm.rank
+        cur = tuple(t if t.is_contiguous() else t.contiguous() for t in
+                    ((chunk,) if isinstance(chunk, torch.Tensor) else chunk))
         if r == 1:
             self._record("compute", 0)
-            step(i, buf)
+            step(i, cur)
             return
         if torch.compiler.is_compiling():  # traced: functional collectives, issued before the compute
-            cur = buf
             for t in range(r):
-                nxt = comm.ring_shift_traced(cur) if t + 1 < r else None
+                nxt = tuple(comm.ring_shift_traced(x) for x in cur) if t + 1 < r else None
                 step((i - t) % r, cur)
                 cur = nxt
             return
         if self.rotate_method == "allgather":
-            everything = self.all_gather(buf, op="ring_kv_allgather")
+            everything = tuple(self.all_gather(x, op="ring_kv_allgather") for x in cur)
             for t in range(r):
                 self._record("compute", t)
-                step((i - t) % r, everything[(i - t) % r])
+                j = (i - t) % r
+                step(j, tuple(x[j] for x in everything))
             return
-        bufs = (buf if buf.is_contiguous() else buf.contiguous(), torch.empty_like(buf))
+        spare = [None, None]  # receive buffers, allocated when first needed
         for t in range(r):
-            cur = bufs[t % 2]
             pending = None
             if t + 1 < r:
-                pending = comm.ring_shift_start(cur, bufs[(t + 1) % 2])
+                slot = t % 2
+                if spare[slot] is None:
+                    spare[slot] = tuple(torch.empty_like(x) for x in cur)
+                pending = comm.ring_shift_start(cur, spare[slot])
                 self._record("post", t + 1)
             self._record("compute", t)
             step((i - t) % r, cur)
             if pending is not None:
-                pending.wait()
+                cur = pending.wait()
                 self._record("wait", t + 1)
 
     def all_gather(self, x: torch.Tensor, op: str = "ring_all_gather") -> torch.Tensor:
@@ -302,16 +298,16 @@ class RingAttention:
         if joint is not None and vq > 0:  # image queries x text keys: once, before the ring steps
             add(*masked_partial(qv, joint.k, joint.v, joint.key_mask, kernel))
 
-        def step(j, buf):
+        def step(j, kv):
             nonlocal text
             vk = _valid(seq_len, L, j)
             if joint is not None and j == i:  # text queries x this rank's own image chunk
-                text = kernel(joint.q, buf[0][:, :vk], buf[1][:, :vk]) if vk > 0 else None
+                text = kernel(joint.q, kv[0][:, :vk], kv[1][:, :vk]) if vk > 0 else None
             if vk == 0 or vq == 0:  # nothing to attend: the chunk is still relayed
                 return
-            add(*kernel(qv, buf[0][:, :vk], buf[1][:, :vk]))
+            add(*kernel(qv, kv[0][:, :vk], kv[1][:, :vk]))
 
-        self.relay(_pack_kv(k, v), step)
+        self.relay((k, v), step)
         out = q.new_zeros((B, L, H, dv))
         if acc:
             out[:, :vq] = acc[0].to(q.dtype)

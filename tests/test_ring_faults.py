@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from _dist_utils import HERE, launch_fault_workers
+from _dist_utils import HERE, launch_fault_workers, stop_workers
 
 WORKER = os.path.join(HERE, "_dist_ring_fault_worker.py")
 TIMEOUT_S = 4.0
@@ -36,13 +36,7 @@ def _run(mode, world, faulty, limit):
             logs[r] = out
         return codes, logs
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            try:
-                p.communicate(timeout=10)
-            except Exception:  # noqa: BLE001
-                pass
+        stop_workers(procs)
 
 
 def test_healthy_ring_exits_zero():

@@ -176,10 +176,6 @@ class RingAttention:
         info = self.shard_info
         return None if info is None else info.seq_len
 
-    def valid(self, j: int, chunk_len: int, seq_len: int | None = None) -> int:
-        """Real rows of chunk ``j`` when the sequence is cut into chunks of ``chunk_len`` rows."""
-        return _valid(self._geometry(chunk_len) if seq_len is None else seq_len, chunk_len, j)
-
     # ------------------------------------------------------------------ primitives (ring-aware inners use them)
     def _record(self, event: str, step: int) -> None:
         if self.trace is not None and not torch.compiler.is_compiling():

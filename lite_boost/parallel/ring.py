@@ -80,9 +80,9 @@ def masked_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: 
                    kernel: Callable, rows: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, S, H, D), lse (B, H, S) fp32) of q over k/v with a (B, T) key mask (True = attend).
 
-    Without a mask: ``kernel(q, k, v)``. With one: exact fp32 math in chunks of ``rows`` query rows
-    (the joint keys are short), -inf safe: a batch element whose keys are all padding gives out 0
-    and lse -inf.
+    Without a mask: ``kernel(q, k, v)``. With one: exact fp32 math (softmax scale D^-0.5, the
+    processors' scale) in chunks of ``rows`` query rows (the joint keys are short), -inf safe: a batch
+    element whose keys are all padding gives out 0 and lse -inf.
     """
     if key_mask is None:
         return kernel(q, k, v)
@@ -269,6 +269,9 @@ class RingAttention:
             if torch.compiler.is_compiling():  # eager inside one opaque op (data-dependent, collectives)
                 return torch.ops.lite_boost_graph.ring_inner_attention(q, k, v, self._key)
             return self.attn_fn.ring_attention(q, k, v, self, **kwargs)
+        if kwargs:
+            raise TypeError(f"RingAttention got unexpected keyword argument(s) {sorted(kwargs)}; the inner "
+                            "attention protocol takes (q, k, v) and joint=")
         return self.attention(self.kernel, q, k, v, joint=joint)
 
     def attention(self, fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, joint: JointTokens | None = None):

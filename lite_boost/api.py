@@ -86,7 +86,8 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
         target: a supported diffusers pipeline (``lite-boost models`` lists them: Wan T2V / I2V incl.
             Wan2.2's two-transformer variants, Qwen-Image / -Edit / -Edit-Plus) or transformer.
         config: BoostConfig / ParallelConfig / mapping / None. ``parallel.cfg_degree`` (1 or 2) and
-            ``parallel.sequence_degree`` (default world_size // cfg_degree) shape the mesh;
+            ``parallel.sequence_degree`` (default world_size // cfg_degree) shape the mesh, split
+            into ``ulysses_degree`` x ``ring_degree`` (default: all sequence ranks on Ulysses);
             ``parallel.timeout_s`` bounds every collective; ``parallel.vae_parallel`` ("exact" by default
             on more than one rank where the VAE has a parallel adapter, "chunked" or "off") spreads
             ``target.vae``'s decode / encode over all ranks (:mod:`lite_boost.parallel.vae`).
@@ -130,6 +131,9 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
         from .cache import check_cache_support
 
         check_cache_support(target, config.cache, cfg_degree=cfg_degree)  # method / model fit
+    from .parallel.ring import check_ring_support
+
+    check_ring_support(config, mesh=mesh, device=device)  # kernels without lse under ring: before any collective
     if mesh is None:
         mesh = init_mesh(config.parallel, init_method=init_method, device=device)
 

@@ -51,7 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "(lists and ranges with '/': mag_ratios=1/0.98/0.97)")
     gen.add_argument("--config", default=None, help="YAML BoostConfig (overrides the flags above)")
     gen.add_argument("--nproc", type=int, default=1, help="processes to launch with torchrun (one per device)")
-    gen.add_argument("--sequence-degree", type=int, default=None, help="Ulysses degree (default: nproc / cfg degree)")
+    gen.add_argument("--sequence-degree", type=int, default=None,
+                     help="ranks per sequence = ulysses x ring degree (default: nproc / cfg degree)")
+    gen.add_argument("--ulysses-degree", type=int, default=None,
+                     help="sequence ranks on Ulysses (all_to_all over heads; default: sequence degree / ring degree)")
+    gen.add_argument("--ring-degree", type=int, default=None,
+                     help="sequence ranks on Ring attention (K/V passed around; default 1, or sequence degree / "
+                          "ulysses degree)")
+    gen.add_argument("--rotate-method", default="p2p", choices=["p2p", "allgather"],
+                     help="how Ring attention moves K/V: p2p (overlapped with compute, default) or allgather")
     gen.add_argument("--cfg-degree", type=int, default=1, choices=[1, 2])
     gen.add_argument("--vae-parallel", default=None, choices=["exact", "chunked", "off"],
                      help="VAE decode/encode over the ranks (default exact when --nproc > 1)")
@@ -227,6 +235,18 @@ def _validate_generate(args) -> None:
         bad("--num-frames", args.num_frames, "4k + 1 (1, 5, 9, ..., 81)")
     if args.warmup < 0:
         bad("--warmup", args.warmup, "a non-negative integer")
+    for name in ("sequence_degree", "ulysses_degree", "ring_degree"):
+        v = getattr(args, name, None)
+        if v is not None and v < 1:
+            bad("--" + name.replace("_", "-"), v, "a positive integer")
+    if getattr(args, "ulysses_degree", None) is not None or getattr(args, "ring_degree", None) is not None:
+        from lite_boost.config import ConfigError, ParallelConfig
+
+        try:  # degrees that cannot fit --nproc fail here, before torchrun starts anything
+            ParallelConfig(sequence_degree=args.sequence_degree, cfg_degree=args.cfg_degree,
+                           ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree).resolve_mesh(args.nproc)
+        except ConfigError as exc:
+            raise SystemExit(f"lite-boost generate: {exc}") from None
     if getattr(args, "vae_overlap", None) is not None:
         if args.vae_overlap < 1:
             bad("--vae-overlap", args.vae_overlap, "a positive integer")
@@ -268,6 +288,8 @@ def _boost_config(args):
     sparsity = _sparsity(args)
     sparse = SparseConfig(sparsity=sparsity) if sparsity > 0 else None
     parallel = ParallelConfig(sequence_degree=args.sequence_degree, cfg_degree=args.cfg_degree,
+                              ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree,
+                              rotate_method=args.rotate_method,
                               vae_parallel=getattr(args, "vae_parallel", None), vae_overlap=getattr(args, "vae_overlap", None))
     cache = CacheConfig.parse(args.cache) if args.cache else None
     return BoostConfig(attention_backend=args.attention_backend, sparse=sparse, parallel=parallel, cache=cache)
@@ -417,8 +439,10 @@ def applied_summary(pipe, config, work=None, device=None, dtype=None) -> list[st
         lines.append("parallel: one process")
     else:
         mesh = pstate.mesh
-        lines.append(f"parallel: {mesh.world_size} processes, Ulysses sequence degree {mesh.sequence_degree} x "
-                     f"CFG degree {mesh.cfg_degree} over {mesh.backend}")
+        seq = (f"Ulysses sequence degree {mesh.sequence_degree}" if mesh.ring_degree == 1 else
+               f"sequence degree {mesh.sequence_degree} (Ulysses {mesh.ulysses_degree} x Ring {mesh.ring_degree}, "
+               f"{mesh.rotate_method})")
+        lines.append(f"parallel: {mesh.world_size} processes, {seq} x CFG degree {mesh.cfg_degree} over {mesh.backend}")
     return lines
 
 

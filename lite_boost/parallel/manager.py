@@ -338,6 +338,19 @@ def _install_vae(vae, adapter, config: BoostConfig, mesh: ParallelMesh) -> None:
 
 
 # ------------------------------------------------------------------------------------------ apply
+def _sequence_attention(mesh: ParallelMesh):
+    """The sequence-parallel wrapper factory ``(attn_fn, shard_info) -> wrapper`` of ``mesh``: Ulysses alone
+    (ring_degree 1), Ring alone (ulysses_degree 1) or USP (Ulysses over the contiguous ranks around Ring
+    over the strided ones); see :mod:`lite_boost.parallel.ring`."""
+    from .ring import sequence_parallel_attention
+
+    def wrap(attn_fn, shard_info):
+        return sequence_parallel_attention(attn_fn, mesh.ulysses, mesh.ring, shard_info,
+                                           rotate_method=mesh.rotate_method)
+
+    return wrap
+
+
 def parallelize(target, models, plans, pipeline_plan: PipelinePlan | None, config: BoostConfig,
                 mesh: ParallelMesh, *, vae_adapter=None):
     """Apply sequence / CFG parallelism to already boosted ``models`` of ``target``; returns ``target``.
@@ -360,7 +373,7 @@ def parallelize(target, models, plans, pipeline_plan: PipelinePlan | None, confi
     for model, plan in zip(models, plans):
         state = _ModelParallel(mesh=mesh)
         if mesh.sequence_degree > 1:
-            state.hooks = SequenceParallelHooks(model, plan, mesh.sequence).apply()
+            state.hooks = SequenceParallelHooks(model, plan, mesh.sequence, _sequence_attention(mesh)).apply()
             runtime = model._lite_boost.extras.get("cache")
             if runtime is not None:  # data-dependent cache decisions: one statistic per sequence group
                 from .cache import make_cache_rank_consistent

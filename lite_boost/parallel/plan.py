@@ -203,12 +203,15 @@ class SequenceParallelHooks:
         model: the model instance (already boosted by its adapter).
         plan: its ShardingPlan.
         comm: Communicator of the sequence-parallel group.
+        wrap_attention: ``(attn_fn, shard_info) -> wrapper`` for each self-attention ``attn_fn``
+            (default: Ulysses over ``comm``; ``parallel.manager`` adds Ring / USP from the mesh).
     """
 
-    def __init__(self, model: torch.nn.Module, plan: ShardingPlan, comm: Communicator):
+    def __init__(self, model: torch.nn.Module, plan: ShardingPlan, comm: Communicator, wrap_attention=None):
         self.model = model
         self.plan = plan
         self.comm = comm
+        self.wrap_attention = wrap_attention or (lambda fn, info: UlyssesAttention(fn, comm, info))
         self.info = SequenceShardInfo(comm.size)
         self._handles = []
         self._wrapped = []  # (processor, original attn_fn)
@@ -358,7 +361,7 @@ class SequenceParallelHooks:
                 self._handles.append(mod.register_forward_hook(self._make_gather(spec)))
         for proc in getattr(self._state, plan.attention_processors):
             self._wrapped.append((proc, proc.attn_fn))
-            proc.attn_fn = UlyssesAttention(proc.attn_fn, self.comm, self.info)
+            proc.attn_fn = self.wrap_attention(proc.attn_fn, self.info)
         if plan.rope_range is not None and hasattr(self._state, plan.rope_range):
             self._old_rope_range = getattr(self._state, plan.rope_range)
             setattr(self._state, plan.rope_range, self._rope_range)

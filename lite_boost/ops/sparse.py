@@ -179,6 +179,17 @@ def _dense(q4, k4, v4, scale, attn_mask, is_causal):
     return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **gqa)
 
 
+def _reorder(x: torch.Tensor, order: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``x[:, :, order]`` of (B, H, S, D) ``x``; into ``out`` (B, H, len(order), D) when given, one
+    row gather per (batch, head) slice (each a plain 2-D gather of contiguous rows)."""
+    if out is None:
+        return x.index_select(2, order)
+    for bi in range(x.shape[0]):
+        for hi in range(x.shape[1]):
+            torch.index_select(x[bi, hi], 0, order, out=out[bi, hi])
+    return out
+
+
 def _head_chunk(n2: int, requested) -> int:
     if requested is not None:
         return requested
@@ -391,11 +402,17 @@ def sparse_attention(q, k, v, attn_mask=None, scale=None, is_causal=False, head_
                             selector, budget)
         return finish(out4, stats)
     out4 = torch.empty(q4.shape[:-1] + v4.shape[-1:], dtype=q4.dtype, device=dev)
+    # inference: the reordered copies go into buffers reused by every head group, one 2-D row gather per
+    # (batch, head) slice (~2.5x a fresh index_select along axis 2); with autograd, differentiable copies
+    grad = torch.is_grad_enabled() and (q4.requires_grad or k4.requires_grad or v4.requires_grad)
+    bufs = None if grad else tuple(
+        torch.empty((b, h, s_, t.shape[-1]), dtype=t.dtype, device=dev) for h, s_, t in
+        ((c * g, sq, q4), (c, skv, k4), (c, skv, v4)))
     idx_parts, num_parts, pairs = [], [], 0.0
     for h0 in range(0, n2, c):
         hq, hk = slice(h0 * g, (h0 + c) * g), slice(h0, h0 + c)
-        qc = q4[:, hq].index_select(2, perm_q)
-        kc = k4[:, hk].index_select(2, perm_k)
+        qc = _reorder(q4[:, hq], perm_q, None if grad else bufs[0])
+        kc = _reorder(k4[:, hk], perm_k, None if grad else bufs[1])
         if selection is None:  # scored before v is copied: the scoring buffers never meet the kernel's
             score, probs = block_scores(qc, kc, block_size, scale_v, selector, reps[0], reps[1])
             si, sn, pr = select_blocks(score, probs, keep, forced_q, forced_kv, diagonal, cdf_threshold, q_tok,
@@ -406,17 +423,17 @@ def sparse_attention(q, k, v, attn_mask=None, scale=None, is_causal=False, head_
             pairs += pr
         else:
             si, sn = selection.select_idx[:, hq], selection.select_num[:, hq]
-        vc = v4[:, hk].index_select(2, perm_k)
+        vc = _reorder(v4[:, hk], perm_k, None if grad else bufs[2])
         problem = _rf._Problem("BNSD", "BNSD", (sq,) * b, (skv,) * b, c * g, c, (block_size, block_size), scale_v,
                                inner_precise)
         oc, _, be = _rf._dispatch(qc, kc, vc, si, sn, problem, False, backend)
         del qc, kc, vc
-        dst = out4[:, hq]
-        if dst.is_contiguous():  # batch 1: a gather by the inverse order straight into place (~3x index_copy_)
-            torch.index_select(oc, 2, inv_q, out=dst)
-        else:
-            dst.index_copy_(2, perm_q, oc)
-        del oc, dst
+        if grad:
+            out4[:, hq].index_copy_(2, perm_q, oc)
+        else:  # a gather by the inverse order straight into place (~3x index_copy_)
+            _reorder(oc, inv_q, out4[:, hq])
+        del oc
+    del bufs
     if selection is None:
         m = max(p.shape[-1] for p in idx_parts)
         select_idx = torch.cat([F.pad(p, (0, m - p.shape[-1]), value=-1) for p in idx_parts], dim=1)

@@ -12,8 +12,9 @@ What ``boost_wan_transformer`` changes, on the instance only (never on diffusers
 * ``transformer._lite_boost`` holds a :class:`WanBoostState` (config, cache, processors, the
   originals needed by ``unboost``).
 
-Weights, the module tree and ``state_dict`` are untouched, so ``.to()``, ``.eval()`` and
-``save_pretrained`` keep working, and boosting twice with the same config is a no-op.
+Weights, the module tree and ``state_dict`` are untouched (unless ``BoostConfig.quant`` asks for
+quantized Linear layers: :mod:`lite_boost.quant`), so ``.to()``, ``.eval()`` and ``save_pretrained``
+keep working, and boosting twice with the same config is a no-op.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..ops.rope import RopeCache, RotaryEmbedding, apply_rotary_emb, rope_tables
 from . import register_model
 from ._sparse_wan import attach_pipeline, install_sparse, uninstall_sparse
 from ._cache_wan import WAN_CACHE_ADAPTER, install_cache, uninstall_cache
+from ..quant import QuantAdapter, check_uninstall_quant, install_quant, uninstall_quant
 
 __all__ = [
     "DenseAttention",
@@ -238,6 +240,7 @@ def boost_wan_transformer(transformer, config: BoostConfig | None = None):
         unboost_wan_transformer(transformer)
 
     state = WanBoostState(config=config, rope_cache=RopeCache(config.rope_cache_size))
+    install_quant(transformer, state, WAN_QUANT_ADAPTER)  # first: on failure it leaves the model as it was
     for i, block in enumerate(transformer.blocks):
         for attr, is_self in (("attn1", True), ("attn2", False)):
             module = getattr(block, attr)
@@ -260,12 +263,14 @@ def unboost_wan_transformer(transformer):
     state = getattr(transformer, "_lite_boost", None)
     if state is None:
         return transformer
+    check_uninstall_quant(state)  # QuantError before anything is undone when the weights were not kept
     for name, proc in state.original_processors.items():
         transformer.get_submodule(name).set_processor(proc)
     if state.rope_patched and "forward" in transformer.rope.__dict__:
         del transformer.rope.forward
     uninstall_sparse(transformer, state)
     uninstall_cache(transformer, state)
+    uninstall_quant(transformer, state)
     del transformer._lite_boost
     return transformer
 
@@ -320,3 +325,9 @@ boost_wan_transformer.sharding_plan = WAN_SHARDING_PLAN
 boost_wan_pipeline.pipeline_plan = WAN_PIPELINE_PLAN
 boost_wan_transformer.cache_adapter = WAN_CACHE_ADAPTER  # step caching (diffusers' hooks), lite_boost.cache
 boost_wan_pipeline.cache_adapter = WAN_CACHE_ADAPTER
+# Quantization (lite_boost.quant): every Linear of the transformer blocks (attention projections, the I2V
+# image projections, feed-forward); patch/text/time embeddings, norms, proj_out and the modulation
+# tables (parameters, not Linear layers) stay in full precision.
+WAN_QUANT_ADAPTER = QuantAdapter(include=(r"blocks\.\d+\..*",), describe="the transformer blocks' Linear layers")
+boost_wan_transformer.quant_adapter = WAN_QUANT_ADAPTER
+boost_wan_pipeline.quant_adapter = WAN_QUANT_ADAPTER

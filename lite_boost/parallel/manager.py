@@ -276,6 +276,21 @@ def _install_vae(vae, adapter, config: BoostConfig, mesh: ParallelMesh) -> None:
     logger.info("lite_boost parallel VAE: %s", runner)
 
 
+def _rank_device(target, mesh, device, move_to_device):
+    """The device this rank's model will run on (for checks made before the mesh exists)."""
+    if not move_to_device:
+        return None  # where its weights are now
+    if mesh is not None and isinstance(mesh, ParallelMesh):
+        dev = mesh.device
+    elif device is not None:
+        dev = torch.device(device)
+    else:
+        from .groups import default_device, read_torchrun_env
+
+        dev = default_device(read_torchrun_env()[1])
+    return None if dev.type == "cpu" else dev
+
+
 # ------------------------------------------------------------------------------------------ API
 def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh: ParallelMesh | None = None,
                     init_method: str | None = None, device=None, move_to_device: bool = True):
@@ -308,6 +323,10 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh:
 
         check_cache_support(target, config.cache, cfg_degree=mesh.cfg_degree if mesh is not None
                             else config.parallel.cfg_degree)  # method / model fit, before any collective
+    if config.quant is not None:  # layers, device, dtype: before any collective (every rank quantizes alike)
+        from ..quant import check_quant_support
+
+        check_quant_support(target, config.quant, device=_rank_device(target, mesh, device, move_to_device))
     if mesh is None:
         if config.parallel.cfg_degree > 1 and (pplan is None or pplan.cfg is None):
             raise ConfigError(
@@ -322,8 +341,12 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh:
                           f"{type(target).__name__} is not one")
 
     unparallelize(target)
+    moved = False
+    if config.quant is not None and move_to_device and mesh.device.type != "cpu" and hasattr(target, "to"):
+        target.to(mesh.device)  # quantize where the model will run (FP8 / W8A8 kernels check the device)
+        moved = True
     boost(target, config)
-    if move_to_device and mesh.device.type != "cpu" and hasattr(target, "to"):
+    if move_to_device and not moved and mesh.device.type != "cpu" and hasattr(target, "to"):
         target.to(mesh.device)
 
     if mesh.world_size == 1:

@@ -20,8 +20,6 @@ from lite_boost.quant import QuantError
 from conftest import pipeline_kwargs
 from quant_specs import make_torch_npu_quant, reference_linear
 
-pytest.importorskip("torchao")
-
 BLOCK_LINEARS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
                  "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2")
 

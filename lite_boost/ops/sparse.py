@@ -347,7 +347,11 @@ def sparse_attention(q, k, v, attn_mask=None, scale=None, is_causal=False, head_
 
     g = n1 // n2
     c = _head_chunk(n2, chunk)
-    out4 = torch.empty(q4.shape[:-1] + v4.shape[-1:], dtype=q4.dtype, device=dev)
+    if layout == "BNSD":
+        out4 = torch.empty(q4.shape[:-1] + v4.shape[-1:], dtype=q4.dtype, device=dev)
+    else:  # written in the caller's (B, S, N, D) memory order: the output comes back contiguous, no transpose copy
+        b_, n_, s_ = q4.shape[:3]
+        out4 = torch.empty(b_, s_, n_, v4.shape[-1], dtype=q4.dtype, device=dev).transpose(1, 2)
     idx_parts, num_parts, pairs = [], [], 0.0
     for h0 in range(0, n2, c):
         hq, hk = slice(h0 * g, (h0 + c) * g), slice(h0, h0 + c)
@@ -369,7 +373,7 @@ def sparse_attention(q, k, v, attn_mask=None, scale=None, is_causal=False, head_
         oc, _, be = _rf._dispatch(qc, kc, vc, si, sn, problem, False, backend)
         del qc, kc, vc
         dst = out4[:, hq]
-        if dst.is_contiguous():  # batch 1: a gather by the inverse order straight into place (~3x index_copy_)
+        if b == 1:  # a gather by the inverse order straight into place (~3x index_copy_), strided or not
             torch.index_select(oc, 2, inv_q, out=dst)
         else:
             dst.index_copy_(2, perm_q, oc)

@@ -227,6 +227,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="one profiled call of the last row after the timing")
+    ap.add_argument("--profile-only", default=None, metavar="ROW",
+                    help="build only ROW, warm it up, time one call and profile one (no baseline, nothing recorded)")
     ap.add_argument("--no-record", action="store_true", help="do not append to dit_step_rows.jsonl")
     ap.add_argument("--assemble", action="store_true", help="only build dit_step.md / .png from the stored rows")
     args = ap.parse_args(argv)
@@ -240,6 +242,15 @@ def main(argv=None):
         import torch._inductor.config as ic
 
         ic.cpp.enable_kernel_profile = True  # name each inductor C++ kernel in the profile
+    if args.profile_only:
+        if base_row(args.profile_only) not in ROWS:
+            raise SystemExit(f"--profile-only: unknown row {args.profile_only!r}; rows: {list(ROWS)}")
+        model = make_row(args.profile_only, build_stock(args.layers))
+        x = inputs(GRIDS[args.tokens])
+        print(f"warm-up {call(model, x)[0]:.2f} s, timed call {call(model, x)[0]:.2f} s, load {os.getloadavg()[0]:.2f}",
+              flush=True)
+        profile_row(model, x)
+        return 0
     rows = ["stock_eager"] + [r.strip() for r in args.rows.split(",") if r.strip() and r.strip() != "stock_eager"]
     for r in rows:
         if base_row(r) not in ROWS:

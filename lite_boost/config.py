@@ -330,9 +330,9 @@ class QuantConfig(_ConfigMixin):
 
     def __post_init__(self):
         _check_choice("method", self.method, QUANT_METHODS)
-        if self.include is not None:
-            object.__setattr__(self, "include", _check_patterns("include", self.include, allow_empty=False))
-        object.__setattr__(self, "exclude", _check_patterns("exclude", self.exclude, allow_empty=True))
+        if self.include is not None:  # [] would quantize nothing: None means the model's default layers
+            object.__setattr__(self, "include", check_regexes("quant include", self.include))
+        object.__setattr__(self, "exclude", check_regexes("quant exclude", self.exclude, allow_empty=True))
         _check_bool("keep_original", self.keep_original)
 
     @classmethod
@@ -349,19 +349,20 @@ class QuantConfig(_ConfigMixin):
         return cls(method=spec.strip().replace("-", "_"))
 
 
-def _check_patterns(name: str, value, allow_empty: bool) -> tuple[str, ...]:
+def check_regexes(where: str, value, allow_empty: bool = False) -> tuple[str, ...]:
+    """A regular expression or a list of them (non-empty strings, each compiling) -> tuple; ConfigError naming ``where``."""
     import re
 
     vals = [value] if isinstance(value, str) else value
     if not isinstance(vals, (list, tuple)) or not all(isinstance(x, str) and x for x in vals):
-        raise ConfigError(f"quant {name} must be a regular expression or a list of them (non-empty strings), got {value!r}")
+        raise ConfigError(f"{where} must be a regular expression or a list of them (non-empty strings), got {value!r}")
     if not vals and not allow_empty:
-        raise ConfigError(f"quant {name} must list at least one pattern, or be None for the model's default layers")
+        raise ConfigError(f"{where} must list at least one regular expression, got {value!r}")
     for x in vals:
         try:
             re.compile(x)
         except re.error as exc:
-            raise ConfigError(f"quant {name}: {x!r} is not a valid regular expression ({exc})") from None
+            raise ConfigError(f"{where}: {x!r} is not a valid regular expression ({exc})") from None
     return tuple(vals)
 
 

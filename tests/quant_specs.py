@@ -11,20 +11,11 @@
   clamped to [-128, 127], in float32), with an fp64 matmul.
 """
 
-import importlib.machinery
-import types
-
 import torch
 
+from attention_specs import _module
+
 INT8_MIN, INT8_MAX = -128, 127
-
-
-def _module(name, **attrs):
-    mod = types.ModuleType(name)
-    mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
-    for k, v in attrs.items():
-        setattr(mod, k, v)
-    return mod
 
 
 def make_torch_npu_quant():

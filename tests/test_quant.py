@@ -80,7 +80,7 @@ def test_config_forms_and_round_trip(tmp_path):
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(method="int4"), r"method must be one of \['int8_dynamic', 'int8_weight_only', 'fp8', 'w8a8_npu'\]"),
     (dict(include=["(unclosed"]), "is not a valid regular expression"),
-    (dict(include=[]), "must list at least one pattern"),
+    (dict(include=[]), "quant include must list at least one regular expression"),
     (dict(exclude=[3]), "must be a regular expression or a list of them"),
     (dict(keep_original="yes"), "keep_original must be True or False"),
 ])

@@ -1,4 +1,4 @@
-"""lite_boost: make diffusers video diffusion transformers faster without changing their output.
+"""lite_boost: make diffusers diffusion transformers (video and image) faster without changing their output.
 
     import lite_boost
     pipe = lite_boost.boost(pipe)                     # one process
@@ -25,12 +25,8 @@ __all__ = [
 
 
 def __getattr__(name):  # keep `import lite_boost` light: diffusers is imported on first use
-    if name in ("boost", "unboost"):
+    if name in ("boost", "unboost", "ParallelManager"):
         from . import api
 
         return getattr(api, name)
-    if name == "ParallelManager":
-        from .parallel import ParallelManager
-
-        return ParallelManager
     raise AttributeError(f"module 'lite_boost' has no attribute {name!r}")

@@ -1,11 +1,19 @@
-"""Single-process entry points: ``boost(target, config)`` and ``unboost(target)``."""
+"""The public entry points: ``boost``, ``unboost`` and ``ParallelManager`` ("boost, then parallelise").
+
+This module composes the layers below it: the registry finds the target's family, the adapter
+layer boosts it, ``lite_boost.parallel`` distributes it. ``lite_boost.ParallelManager`` and
+``lite_boost.parallel.ParallelManager`` are this function (the latter is the one import from
+``lite_boost.parallel`` up to this module, declared in the import contracts).
+"""
 
 from __future__ import annotations
 
-from .config import BoostConfig
-from .models import lookup
+from typing import Any, Mapping
 
-__all__ = ["boost", "unboost", "is_boosted"]
+from .config import BoostConfig, ConfigError
+from .registry import family_of, lookup, names_where
+
+__all__ = ["boost", "unboost", "is_boosted", "ParallelManager"]
 
 
 def boost(target, config=None):
@@ -14,11 +22,15 @@ def boost(target, config=None):
     ``config`` may be a :class:`BoostConfig`, a :class:`SparseConfig` / :class:`ParallelConfig` /
     :class:`CacheConfig` / :class:`QuantConfig`, a mapping with the same keys, or None (defaults:
     automatic attention backend, dense attention, no step caching, full-precision weights).
-    The config is validated and the target's class looked up before anything is modified. Boosting
-    again with the same config is a no-op; with another config the previous boost is replaced.
+    The config is validated and the target's class looked up before anything is modified (a feature
+    the target's family lacks raises ``ConfigError`` naming the option). Boosting again with the same
+    config is a no-op; with another config the previous boost is replaced.
     """
     config = BoostConfig.coerce(config)
     fn = lookup(target)
+    family = family_of(fn)
+    if family is not None:
+        family.check_config(config)
     if config.cache is not None:
         from .cache import check_cache_support
 
@@ -43,5 +55,114 @@ def is_boosted(target) -> bool:
     """True if ``target`` (a model or pipeline) carries a lite_boost patch."""
     if getattr(target, "_lite_boost", None) is not None:
         return True
-    return any(getattr(getattr(target, n, None), "_lite_boost", None) is not None
-               for n in ("transformer", "transformer_2"))
+    family = family_of(target)
+    attrs = family.pipeline.transformers if family is not None else ("transformer", "transformer_2")
+    return any(getattr(getattr(target, n, None), "_lite_boost", None) is not None for n in attrs)
+
+
+# ------------------------------------------------------------------------------------------ parallel
+def _layout(target, fn, family, sequence_degree: int):
+    """(pipeline plan or None, transformers, their sharding plans); PlanError when a plan is missing."""
+    from .parallel.plan import PlanError, ShardingPlan
+
+    pplan = family.pipeline if (family is not None and family.is_pipeline(target)) else None
+    models = family.transformers_of(target) if family is not None else [target]
+    if pplan is not None and not models:
+        raise PlanError(f"{type(target).__name__} has none of {list(pplan.transformers)} set")
+    plans = []
+    for model in models:
+        plan = getattr(family_of(model), "sharding", None)
+        if sequence_degree > 1 and not isinstance(plan, ShardingPlan):
+            with_plans = names_where(lambda f: isinstance(f.sharding, ShardingPlan))
+            raise PlanError(
+                f"{type(model).__name__} has no sequence-parallel sharding plan; models with a plan: {with_plans}. "
+                "Declare one as ModelFamily(sharding=ShardingPlan(...)) in its adapter."
+            )
+        plans.append(plan)
+    return pplan, models, plans
+
+
+def _rank_device(mesh, device, move_to_device):
+    """The device this rank's model will run on, for checks made before the mesh exists (None: where it is)."""
+    import torch
+
+    if not move_to_device:
+        return None
+    if mesh is not None:
+        dev = mesh.device
+    elif device is not None:
+        dev = torch.device(device)
+    else:
+        from .parallel.groups import default_device, read_torchrun_env
+
+        dev = default_device(read_torchrun_env()[1])
+    return None if dev.type == "cpu" else dev
+
+
+def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=None,
+                    init_method: str | None = None, device=None, move_to_device: bool = True):
+    """Make ``target`` (a supported pipeline or transformer) run sequence / CFG parallel; returns ``target``.
+
+    Args:
+        target: a supported diffusers pipeline (``lite-boost models`` lists them: Wan T2V / I2V incl.
+            Wan2.2's two-transformer variants, Qwen-Image / -Edit / -Edit-Plus) or transformer.
+        config: BoostConfig / ParallelConfig / mapping / None. ``parallel.cfg_degree`` (1 or 2) and
+            ``parallel.sequence_degree`` (default world_size // cfg_degree) shape the mesh;
+            ``parallel.timeout_s`` bounds every collective; ``parallel.vae_parallel`` ("exact" by default
+            on more than one rank where the VAE has a parallel adapter, "chunked" or "off") spreads
+            ``target.vae``'s decode / encode over all ranks (:mod:`lite_boost.parallel.vae`).
+        mesh: an existing mesh from ``initialize_usp`` (default: create one from the torchrun env).
+        init_method: rendezvous URL when this call initialises torch.distributed (default env://).
+        device: override the rank's device (default from LOCAL_RANK).
+        move_to_device: move the target to the rank's device when that is not the CPU.
+
+    Every rank must call this with the same arguments. Invalid degrees, an unsupported class, a model
+    without a sharding plan, a feature its family lacks (``sparse``, ``cfg_degree=2`` without CFG, a
+    cache method) raise before any collective. World size 1 = ``lite_boost.boost``. The patch lives on
+    the instances; ``unparallelize(target)`` removes it.
+    """
+    from .parallel.groups import ParallelMesh, init_mesh
+    from .parallel.manager import check_vae, parallelize, unparallelize, world_size_of
+
+    config = BoostConfig.coerce(config)
+    if mesh is not None and not isinstance(mesh, ParallelMesh):
+        raise TypeError(f"mesh must be a ParallelMesh from initialize_usp, got {type(mesh).__name__}")
+    fn = lookup(target)  # UnsupportedModelError (a TypeError) for unknown classes
+    family = family_of(fn)
+    if mesh is not None:
+        cfg_degree, seq_degree = mesh.cfg_degree, mesh.sequence_degree
+    else:
+        world = world_size_of(None)
+        try:
+            cfg_degree, seq_degree = config.parallel.resolve(world)
+        except ConfigError:  # degrees that do not fit the world: init_mesh names the valid ones, after the checks
+            cfg_degree, seq_degree = config.parallel.cfg_degree, max(1, world // config.parallel.cfg_degree)
+    pplan, models, plans = _layout(target, fn, family, seq_degree)
+    if family is not None:
+        family.check_config(config)
+    if cfg_degree > 1 and (pplan is None or pplan.cfg is None or pplan.cfg.kind == "none"):
+        raise ConfigError(
+            f"cfg_degree={cfg_degree} needs a pipeline that runs classifier-free guidance; "
+            f"{type(target).__name__} is not one. Valid cfg_degree here: [1]"
+        )
+    unsupported_vae = family.features["parallel_vae"] if family is not None else None
+    vae_adapter = check_vae(target, config, mesh, unsupported=unsupported_vae)  # before any collective
+    if config.cache is not None:
+        from .cache import check_cache_support
+
+        check_cache_support(target, config.cache, cfg_degree=cfg_degree)  # method / model fit
+    if config.quant is not None:  # layers, device, dtype (every rank quantizes its copy of the same weights)
+        from .quant import check_quant_support
+
+        check_quant_support(target, config.quant, device=_rank_device(mesh, device, move_to_device))
+    if mesh is None:
+        mesh = init_mesh(config.parallel, init_method=init_method, device=device)
+
+    unparallelize(target)
+    move = move_to_device and mesh.device.type != "cpu" and hasattr(target, "to")
+    if move and config.quant is not None:
+        target.to(mesh.device)  # quantize where the model will run (the FP8 / W8A8 kernels check the device)
+    boost(target, config)
+    if move and config.quant is None:
+        target.to(mesh.device)
+    return parallelize(target, models, plans, pplan, config, mesh, vae_adapter=vae_adapter)

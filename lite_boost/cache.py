@@ -32,6 +32,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from .errors import ConfigError, check_regexes
+
 __all__ = [
     "CACHE_METHODS",
     "CacheParam",
@@ -42,13 +44,12 @@ __all__ = [
     "parse_cache_spec",
     "build_diffusers_config",
     "check_cache_support",
+    "check_not_cached",
     "count_block_work",
 ]
 
 
 def _error(msg: str):
-    from .config import ConfigError
-
     return ConfigError(msg)
 
 
@@ -127,8 +128,6 @@ class CacheParam:
                 raise _error(f"{where} must be a non-empty list of positive finite numbers, got {value!r}")
             return tuple(float(x) for x in vals)
         if k == "regexes":
-            from .config import check_regexes
-
             return check_regexes(where, value if isinstance(value, str) else list(value))
         raise AssertionError(k)
 
@@ -278,22 +277,35 @@ def parse_cache_spec(spec: str) -> tuple[str, dict[str, Any]]:
 # ------------------------------------------------------------------------------------ adapters
 @dataclass(frozen=True)
 class CacheAdapter:
-    """What a model adapter declares about caching (``<boost fn>.cache_adapter``).
+    """What a model family declares about step caching (``ModelFamily(cache=CacheAdapter(...))``).
 
     methods: the cache methods that work on this model.
     defaults: per-method parameter defaults that replace diffusers' where the model needs it.
     check: optional ``check(model, method, params)`` raising ConfigError for an unsuitable model.
     why_not: method -> reason, for methods that do not work on this model (error messages).
+    probe_module: path of a child module that runs once per transformer call before the blocks
+        (e.g. the patch embedding): a context-only diffusers hook there learns the current
+        ``cache_context`` for methods that keep no per-context state (Pyramid Attention Broadcast).
     """
 
     methods: tuple[str, ...]
     defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     check: Callable[[Any, str, dict], None] | None = None
     why_not: Mapping[str, str] = field(default_factory=dict)
+    probe_module: str | None = None
+
+
+def check_not_cached(model) -> None:
+    """ConfigError when ``model`` already has a diffusers cache that lite_boost did not enable."""
+    if getattr(model, "_cache_config", None) is not None and getattr(model, "_lite_boost", None) is None:
+        raise _error(
+            f"{type(model).__name__} already has a diffusers cache enabled ({type(model._cache_config).__name__}); "
+            "call transformer.disable_cache() first, or leave BoostConfig.cache unset"
+        )
 
 
 def check_cache_support(target, cache_config, *, cfg_degree: int = 1) -> CacheAdapter | None:
-    """Raise ConfigError unless ``target``'s adapter supports ``cache_config.method``; returns the adapter.
+    """Raise ConfigError unless ``target``'s family supports ``cache_config.method``; returns its adapter.
 
     ``cfg_degree`` > 1 (CFG parallelism) additionally needs a method that keeps one state per branch.
     Runs before anything is modified (and, under ParallelManager, before any collective).
@@ -306,23 +318,23 @@ def check_cache_support(target, cache_config, *, cfg_degree: int = 1) -> CacheAd
         raise _error(f"cache method {spec.name!r} keeps one state shared by the cond and uncond passes, which CFG "
                      f"parallelism runs on different ranks (outputs would differ from one process); with "
                      f"cfg_degree={cfg_degree} use one of {per_branch}")
-    from .models import SUPPORTED_MODELS, lookup
+    from .registry import family_of, lookup, names_where
 
-    fn = lookup(target)
-    adapter = getattr(fn, "cache_adapter", None)
+    family = family_of(lookup(target))
+    adapter = getattr(family, "cache", None)
     if not isinstance(adapter, CacheAdapter):
-        with_cache = sorted(n for n, f in SUPPORTED_MODELS.items() if isinstance(getattr(f, "cache_adapter", None), CacheAdapter))
+        with_cache = names_where(lambda f: isinstance(getattr(f, "cache", None), CacheAdapter))
         raise _error(f"step caching was requested but {type(target).__name__} has no cache adapter; models with one: "
-                     f"{with_cache}. Declare `<boost fn>.cache_adapter = CacheAdapter(...)` in its adapter.")
+                     f"{with_cache}. Declare ModelFamily(cache=CacheAdapter(...)) in its adapter.")
     method = cache_config.method
     if method not in adapter.methods:
         why = adapter.why_not.get(method)
         raise _error(f"cache method {method!r} is not supported for {type(target).__name__}"
                      f"{' (' + why + ')' if why else ''}; supported: {list(adapter.methods)}")
-    if adapter.check is not None:
-        models = [getattr(target, n) for n in ("transformer", "transformer_2") if getattr(target, n, None) is not None]
-        for m in models or [target]:
-            adapter.check(m, method, dict(cache_config.params))
+    for model in family.transformers_of(target):
+        check_not_cached(model)
+        if adapter.check is not None:
+            adapter.check(model, method, dict(cache_config.params))
     return adapter
 
 

@@ -5,6 +5,7 @@
     lite-boost generate --model /path/Wan2.1-T2V-1.3B-Diffusers --height 480 --width 832 --num-frames 81
     lite-boost generate --nproc 2             # same under torchrun, Ulysses sequence parallel
     lite-boost env                            # versions, devices, usable attention backends
+    lite-boost models                         # supported model families and the features of each
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["main", "build_parser", "write_video"]
+__all__ = ["main", "build_parser", "write_video", "models_report"]
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
@@ -68,7 +69,33 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-v", "--verbose", action="store_true", help="log backend choices")
 
     sub.add_parser("env", help="print versions, devices and attention backends")
+    sub.add_parser("models", help="list the supported model families and the features each supports")
     return parser
+
+
+# ----------------------------------------------------------------------------------------------- #
+# models                                                                                           #
+# ----------------------------------------------------------------------------------------------- #
+
+
+def models_report() -> str:
+    """The registered families: classes, joint layout, CFG kind, and each feature (yes / why not)."""
+    from lite_boost.adapter.family import FEATURES
+    from lite_boost.registry import families
+
+    lines = ["## lite_boost model families", "", "| family | pipelines / transformers | joint | CFG | "
+             + " | ".join(FEATURES) + " |", "|---" * (4 + len(FEATURES)) + "|"]
+    notes = []
+    for fam in families():
+        d = fam.describe()
+        cells = ["yes" if d["features"][f] is None else "no" for f in FEATURES]
+        lines.append(f"| {d['family']} | {', '.join(d['pipelines'] + d['transformers'])} | {d['joint']} | "
+                     f"{d['cfg']} | " + " | ".join(cells) + " |")
+        why = [f"{f}: {r}" for f, r in d["features"].items() if r is not None]
+        notes.append(f"- {d['family']}: step caches {', '.join(d['cache_methods']) or 'none'}; default quantized "
+                     f"modules {', '.join(d['quant_patterns']) or 'none'}"
+                     + (f"; not supported: {'; '.join(why)}" if why else "") + (f"; {d['notes']}" if d["notes"] else ""))
+    return "\n".join(lines + [""] + notes)
 
 
 # ----------------------------------------------------------------------------------------------- #
@@ -505,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger(name).setLevel(logging.ERROR)
     if args.command == "env":
         print(env_report())
+        return 0
+    if args.command == "models":
+        print(models_report())
         return 0
     return generate(args, argv)
 

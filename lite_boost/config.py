@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .errors import ConfigError, check_regexes
+
 __all__ = [
     "ConfigError",
     "SparseConfig",
@@ -34,10 +36,6 @@ SPARSE_TYPES = (None, "rf_v2")
 SPARSE_SELECTORS = ("subblock", "reference")  # = lite_boost.ops.sparse.SELECTORS (tested)
 SPARSE_BUDGETS = ("reference", "total")  # = lite_boost.ops.sparse.BUDGETS (tested)
 QUANT_METHODS = ("int8_dynamic", "int8_weight_only", "fp8", "w8a8_npu")  # = lite_boost.quant.QUANT_METHOD_INFO (tested)
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the accepted values."""
 
 
 def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None, allow_none=False):
@@ -347,23 +345,6 @@ class QuantConfig(_ConfigMixin):
         if not isinstance(spec, str):
             raise ConfigError(f"quant must be one of {list(QUANT_METHODS)}, got {spec!r}")
         return cls(method=spec.strip().replace("-", "_"))
-
-
-def check_regexes(where: str, value, allow_empty: bool = False) -> tuple[str, ...]:
-    """A regular expression or a list of them (non-empty strings, each compiling) -> tuple; ConfigError naming ``where``."""
-    import re
-
-    vals = [value] if isinstance(value, str) else value
-    if not isinstance(vals, (list, tuple)) or not all(isinstance(x, str) and x for x in vals):
-        raise ConfigError(f"{where} must be a regular expression or a list of them (non-empty strings), got {value!r}")
-    if not vals and not allow_empty:
-        raise ConfigError(f"{where} must list at least one regular expression, got {value!r}")
-    for x in vals:
-        try:
-            re.compile(x)
-        except re.error as exc:
-            raise ConfigError(f"{where}: {x!r} is not a valid regular expression ({exc})") from None
-    return tuple(vals)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
-"""Tiny random-weight Wan pipelines that build offline in milliseconds.
+"""Tiny random-weight Wan and Qwen-Image pipelines that build offline in milliseconds.
 
 They exist for the default ``lite-boost generate`` run, the examples and the tests: the same
 diffusers classes as the real Wan2.1 / Wan2.2 checkpoints (WanTransformer3DModel, AutoencoderKLWan,
 UMT5 text encoder, FlowMatchEulerDiscreteScheduler, CLIP image encoder for I2V), scaled down.
-No hub access: the tokenizer is a WordLevel model built in memory.
+No hub access: the tokenizer is a WordLevel model built in memory. The Qwen-Image pipelines
+(``tiny_qwen_image_pipeline``) have no text encoder, tokenizer or processor: they are called with
+``prompt_embeds`` (``qwen_prompt_embeds``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["TinyWanSpec", "tiny_wan_transformer", "tiny_wan_pipeline", "DEMO_PROMPT", "DEMO_NEGATIVE_PROMPT",
-           "DEMO_SPEC", "DEMO_SHAPE", "DEMO_STEPS", "DEMO_SPARSITY", "DEMO_VAE_BASE_DIM"]
+           "DEMO_SPEC", "DEMO_SHAPE", "DEMO_STEPS", "DEMO_SPARSITY", "DEMO_VAE_BASE_DIM", "TinyQwenImageSpec",
+           "tiny_qwen_image_transformer", "tiny_qwen_image_pipeline", "qwen_prompt_embeds"]
 
 DEMO_PROMPT = "a red fox runs through fresh snow at dawn"
 DEMO_NEGATIVE_PROMPT = "blurry low quality static"
@@ -145,3 +148,80 @@ def tiny_wan_pipeline(kind: str = "t2v", *, spec: TinyWanSpec | None = None, see
         pipe = WanImageToVideoPipeline(image_encoder=image_encoder, image_processor=image_processor, **kwargs)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+# --------------------------------------------------------------------------------------------- Qwen-Image
+@dataclass(frozen=True)
+class TinyQwenImageSpec:
+    """Size of a tiny QwenImageTransformer2DModel (defaults: 3 heads of 16 channels, 2 layers, as diffusers'
+    pipeline tests; RoPE axes (8, 4, 4) split each head)."""
+
+    heads: int = 3
+    head_dim: int = 16
+    layers: int = 2
+    text_dim: int = 16  # joint_attention_dim: the width of prompt_embeds
+    in_channels: int = 16  # 4 latent channels packed 2 x 2
+    out_channels: int = 4
+    axes: tuple[int, int, int] = (8, 4, 4)
+    zero_cond_t: bool = False  # Qwen-Image-Edit-2511: per-token modulation of the condition image tokens
+
+
+def tiny_qwen_image_transformer(spec: TinyQwenImageSpec = TinyQwenImageSpec(), seed: int = 0, dtype=torch.float32):
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(seed)
+    model = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=spec.in_channels, out_channels=spec.out_channels, num_layers=spec.layers,
+        attention_head_dim=spec.head_dim, num_attention_heads=spec.heads, joint_attention_dim=spec.text_dim,
+        guidance_embeds=False, axes_dims_rope=spec.axes, zero_cond_t=spec.zero_cond_t,
+    )
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    return model.eval()
+
+
+def tiny_qwen_image_pipeline(kind: str = "t2i", *, spec: TinyQwenImageSpec | None = None, seed: int = 0,
+                             dtype=torch.float32):
+    """Build a tiny random-weight Qwen-Image pipeline without text encoder, tokenizer or processor.
+
+    kind: "t2i" (QwenImagePipeline), "edit" (QwenImageEditPipeline), "edit_plus" (QwenImageEditPlusPipeline).
+    The VAE is ``AutoencoderKLQwenImage`` with 4 latent channels and a 4x spatial factor, so an image of
+    H x W pixels is (H / 8) x (W / 8) transformer tokens. Call it with ``prompt_embeds`` (and
+    ``negative_prompt_embeds`` for CFG with ``true_cfg_scale > 1``), see :func:`qwen_prompt_embeds`.
+    """
+    pipelines = {"t2i": "QwenImagePipeline", "edit": "QwenImageEditPipeline", "edit_plus": "QwenImageEditPlusPipeline"}
+    if kind not in pipelines:
+        raise ValueError(f"kind must be one of {list(pipelines)}, got {kind!r}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import diffusers
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
+
+    spec = spec or TinyQwenImageSpec()
+    torch.manual_seed(seed + 1)
+    z_dim = spec.in_channels // 4
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=z_dim, dim_mult=[1, 2, 4], num_res_blocks=1,
+                                 temperal_downsample=[False, True], latents_mean=[0.0] * z_dim,
+                                 latents_std=[1.0] * z_dim).eval()
+    transformer = tiny_qwen_image_transformer(spec, seed=seed + 2, dtype=dtype)
+    kwargs = dict(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
+                  transformer=transformer)
+    if kind != "t2i":
+        kwargs["processor"] = None
+    pipe = getattr(diffusers, pipelines[kind])(**kwargs)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def qwen_prompt_embeds(length: int, *, batch: int = 1, dim: int = 16, seed: int = 0, valid=None):
+    """(prompt_embeds, prompt_embeds_mask) as Qwen-Image's text encoder would give them.
+
+    ``valid``: real tokens per batch element (the rest is padding, mask 0); None = all real (the
+    pipelines then drop the mask, as for an unpadded prompt).
+    """
+    g = torch.Generator().manual_seed(seed)
+    embeds = torch.randn(batch, length, dim, generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if valid is not None:
+        for b, n in enumerate(valid):
+            mask[b, n:] = 0
+    return embeds, mask

@@ -3,8 +3,8 @@
 ``BoostConfig(quant=QuantConfig(method, include, exclude, keep_original))`` names a method and which
 Linear layers it applies to; this module validates that against the model and the device, replaces
 the selected layers' weights and keeps what ``unboost`` needs to put the original weights back. It
-knows no model: it takes a transformer and module-name patterns, and a model adapter only declares
-its default patterns (:class:`QuantAdapter`, e.g. Wan's ``blocks\\.\\d+\\..*``).
+knows no model: it takes a transformer and module-name patterns; a model family only declares its
+default patterns (``ModelFamily.quant_patterns``, fnmatch, e.g. Wan's ``"blocks.*"``).
 
 | method | weights | activations | runs on | through |
 |---|---|---|---|---|
@@ -32,19 +32,19 @@ and ``save_pretrained`` then refuse with a :class:`QuantError` that says so.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import functools
 import importlib
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import torch
 from torch import nn
 
 __all__ = [
     "QUANT_METHOD_INFO",
-    "QuantAdapter",
     "QuantError",
     "QuantPlan",
     "QuantState",
@@ -99,19 +99,6 @@ QUANT_METHOD_INFO: dict[str, QuantMethodInfo] = {
                         (torch.float16, torch.bfloat16)),
     )
 }
-
-
-@dataclass(frozen=True)
-class QuantAdapter:
-    """What a model adapter declares about quantization (``<boost fn>.quant_adapter``).
-
-    include: the default layer patterns (regular expressions, full match on module names inside the
-        transformer), used when ``QuantConfig.include`` is None.
-    describe: the default selection in words (error messages, reports).
-    """
-
-    include: tuple[str, ...]
-    describe: str = ""
 
 
 # ----------------------------------------------------------------------------------- libraries
@@ -486,21 +473,21 @@ def _refusing_save(model, state: QuantState, *args, **kwargs):
     state.check_restorable("save_pretrained a quantized model")
 
 
-# ----------------------------------------------------------------------------------- adapters
-def _models_of(target) -> list[nn.Module]:
-    models = [getattr(target, n) for n in ("transformer", "transformer_2") if getattr(target, n, None) is not None]
-    return models or [target]
+# ----------------------------------------------------------------------------------- families
+def family_patterns(family) -> tuple[str, ...]:
+    """A family's default layers (``ModelFamily.quant_patterns``, fnmatch) as regular expressions."""
+    return tuple(fnmatch.translate(p) for p in getattr(family, "quant_patterns", ()) or ())
 
 
-def _adapter(target) -> QuantAdapter:
-    from .models import SUPPORTED_MODELS, lookup
+def _family_of(target):
+    from .registry import family_of, names_where
 
-    adapter = getattr(lookup(target), "quant_adapter", None)
-    if not isinstance(adapter, QuantAdapter):
-        with_q = sorted(n for n, f in SUPPORTED_MODELS.items() if isinstance(getattr(f, "quant_adapter", None), QuantAdapter))
-        raise _config_error(f"quantization was requested but {type(target).__name__} has no quant adapter; models with "
-                            f"one: {with_q}. Declare `<boost fn>.quant_adapter = QuantAdapter(include=...)` in its adapter.")
-    return adapter
+    family = family_of(target)
+    if family is None or not family.supports("quant"):
+        why = family.features["quant"] if family is not None else "its adapter is not a model family"
+        raise _config_error(f"quantization (BoostConfig.quant) is not supported for {type(target).__name__} ({why}); "
+                            f"models with it: {names_where(lambda f: f.supports('quant'))}")
+    return family
 
 
 def check_quant_support(target, quant_config, *, device: torch.device | str | None = None) -> list[QuantPlan]:
@@ -510,16 +497,16 @@ def check_quant_support(target, quant_config, *, device: torch.device | str | No
     """
     if quant_config is None:
         return []
-    adapter = _adapter(target)
-    return [plan_quant(m, quant_config, adapter.include, device) for m in _models_of(target)]
+    family = _family_of(target)
+    return [plan_quant(m, quant_config, family_patterns(family), device) for m in family.transformers_of(target)]
 
 
-def install_quant(model: nn.Module, boost_state, adapter: QuantAdapter) -> None:
+def install_quant(model: nn.Module, boost_state) -> None:
     """Quantize ``model`` as ``boost_state.config.quant`` asks (if at all); the state goes to its extras."""
     cfg = boost_state.config.quant
     if cfg is None:
         return
-    plan = plan_quant(model, cfg, adapter.include)
+    plan = plan_quant(model, cfg, family_patterns(boost_state.family))
     boost_state.extras[STATE_KEY] = quantize_model(model, cfg, plan)
 
 

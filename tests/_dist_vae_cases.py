@@ -60,7 +60,9 @@ def _run(vae, comm, z, x, **kw):
 
 def bookkeeping_cases(mesh):
     """Frame count and order (1, 2, 5, 21 latent frames), incl. more ranks than chunks: chunked mode
-    with an overlap covering the whole prefix must equal the sequential decode / encode bit for bit."""
+    with an overlap covering the whole prefix must equal the sequential decode / encode up to fp32
+    rounding (a chunk runs the VAE's 1x1 (post-)quant convolution over its own frames instead of all
+    frames; on some CPUs the kernel for another frame count rounds the last bit differently)."""
     vae = tiny_vae()
     out = {}
     with torch.no_grad():
@@ -72,8 +74,8 @@ def bookkeeping_cases(mesh):
                 dec, enc, dc, ec, (plan, _) = _run(vae, mesh.world, z, x, mode="chunked", overlap=n,
                                                    chunk_size=chunk_size)
                 out[(n, chunk_size)] = dict(
-                    dec_frames=dec.shape[2], ref_frames=ref_d.shape[2], dec_equal=torch.equal(dec, ref_d),
-                    enc_frames=enc.shape[2], enc_equal=torch.equal(enc, ref_e), chunks=len(plan.chunks),
+                    dec_frames=dec.shape[2], ref_frames=ref_d.shape[2], dec_diff=_diff(dec, ref_d),
+                    enc_frames=enc.shape[2], enc_diff=_diff(enc, ref_e), chunks=len(plan.chunks),
                     dec_calls=dc, enc_calls=ec)
     return out
 

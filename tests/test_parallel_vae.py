@@ -195,7 +195,7 @@ def test_frame_count_and_order(world):
         for (n, chunk_size), r in res["bookkeeping"].items():
             assert r["dec_frames"] == r["ref_frames"] == 1 + 4 * (n - 1), (rank, n, r)
             assert r["enc_frames"] == n, (rank, n, r)
-            assert r["dec_equal"] and r["enc_equal"], (rank, n, chunk_size, r)
+            assert r["dec_diff"] <= 1e-6 and r["enc_diff"] <= 1e-6, (rank, n, chunk_size, r)
             assert r["chunks"] == (min(n, world) if chunk_size is None else -(-n // chunk_size))
             # ONE collective assembles the video (and one the latents)
             assert r["dec_calls"] == {"vae_gather": 1} and r["enc_calls"] == {"vae_gather": 1}, r

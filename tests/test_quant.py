@@ -455,3 +455,41 @@ def test_cli_refuses_a_method_the_device_cannot_run_before_any_run():
     with pytest.raises(SystemExit, match=r"--quant fp8 cannot run on cpu .*; methods that can run on cpu: "
                                          r"\['int8_dynamic', 'int8_weight_only'\]"):
         main(["generate", "--quant", "fp8", "--steps", "1"])
+
+
+# ---------------------------------------------------------------------------------------- other families
+def test_another_family_quantizes_its_declared_layers_and_unboosts():
+    """The quantization code knows no model: Qwen-Image's family declares ``transformer_blocks.*``."""
+    import _qwen_cases as qcases
+    from lite_boost.demo import TinyQwenImageSpec, tiny_qwen_image_transformer
+
+    spec = TinyQwenImageSpec(heads=3)
+    model = tiny_qwen_image_transformer(spec)
+    kw = qcases.transformer_inputs(spec)
+    with torch.no_grad():
+        stock = model(**kw).sample
+    lite_boost.boost(model, {"quant": "int8_dynamic"})
+    layers = Q.quant_state(model).layers
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert layers and all(n.startswith("transformer_blocks.") for n in layers)
+    assert sorted(layers) == sorted(n for n in linears if n.startswith("transformer_blocks."))
+    with torch.no_grad():
+        out = model(**kw).sample
+    assert 1e-5 < _rel(out, stock) < 5e-2
+    lite_boost.unboost(model)
+    with torch.no_grad():
+        assert torch.equal(model(**kw).sample, stock)
+
+
+def test_a_family_without_default_layers_is_refused():
+    import dataclasses
+
+    from lite_boost.registry import family_of
+
+    fam = dataclasses.replace(family_of(_model()), name="wan-noquant", quant_patterns=())
+    assert fam.features["quant"] == "no default quantization patterns"
+    model = _model()
+    with pytest.raises(ConfigError, match=r"quant \(BoostConfig.quant\) is not supported for the wan-noquant family "
+                                          r"\(no default quantization patterns\); families with quant: \['wan', "):
+        fam.boost_transformer(model, {"quant": "int8_dynamic"})
+    assert not lite_boost.api.is_boosted(model)

@@ -6,7 +6,7 @@ import torch
 import lite_boost
 from lite_boost import BoostConfig, SparseConfig
 from lite_boost.demo import tiny_wan_pipeline
-from lite_boost.models._sparse_wan import STATE_KEY, SparseWanAttention
+from lite_boost.adapter.sparse import STATE_KEY, ScheduledSparseAttention as SparseWanAttention
 from lite_boost.schedule import SparseSchedule, StepTracker
 
 from conftest import pipeline_kwargs

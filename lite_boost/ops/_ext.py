@@ -168,7 +168,7 @@ def _kernels() -> dict:
 
 
 def _npu_config():
-    """(build kwargs or None, reason) for the Ascend library; its sources are owned by ``_ext_npu``."""
+    """(build kwargs or None, reason) for the Ascend library; its sources are owned by ``_ext_npu_build``."""
     if not (os.environ.get("ASCEND_HOME_PATH") or os.environ.get("ASCEND_TOOLKIT_HOME")):
         return None, "not built: CANN not found (ASCEND_HOME_PATH / ASCEND_TOOLKIT_HOME unset)"
     try:
@@ -176,7 +176,7 @@ def _npu_config():
     except (ImportError, RuntimeError, OSError) as exc:
         return None, f"not built: torch_npu is not importable ({exc.__class__.__name__}: {exc})"
     try:
-        mod = importlib.import_module("lite_boost.ops._ext_npu")
+        mod = importlib.import_module("lite_boost.ops._ext_npu_build")
     except ImportError as exc:
         return None, f"not built: no NPU build description ({exc})"
     cfg = mod.npu_build_config(csrc_dir())

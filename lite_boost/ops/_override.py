@@ -26,6 +26,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from ._errors import AttentionBackendError, SparseBackendError
+
 __all__ = ["BackendOverride", "raise_when_run"]
 
 
@@ -93,15 +95,7 @@ class BackendOverride:
 
 # ------------------------------------------------------------------------------ deferred errors
 def _error_class(kind: str) -> type:
-    if kind == "attention":
-        from .attention import AttentionBackendError
-
-        return AttentionBackendError
-    if kind == "sparse":
-        from .rain_fusion import SparseBackendError
-
-        return SparseBackendError
-    return RuntimeError
+    return {"attention": AttentionBackendError, "sparse": SparseBackendError}.get(kind, RuntimeError)
 
 
 # A Python custom op (own namespace, separate from the C++ ``torch.ops.lite_boost`` library): opaque to

@@ -2,7 +2,9 @@
 
 Each backend declares the devices, dtypes and head dims it accepts and how to find out whether it
 is installed. ``attention(q, k, v)`` picks the first backend that can run the call; the choice is
-cached per (device, dtype, head_dim, request) signature and logged once with the reason. A backend
+cached per (device, dtype, head_dim, key mask, request) signature and logged once with the reason.
+``key_mask`` (B, S_k) bool excludes padded keys (joint text + image attention with padded text);
+only backends that declare ``supports_key_mask`` take it (SDPA, with a broadcast boolean mask). A backend
 can be forced per call (``backend="sdpa"``), for a block of code (``with attention_backend("fa2")``)
 or for the process (environment variable ``LITE_BOOST_ATTN_BACKEND``). Forcing a backend that
 cannot run raises :class:`AttentionBackendError` saying why and listing the usable ones.
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 
 from ..config import ATTENTION_BACKEND_NAMES
 from ._checks import check_qkv_tensors
+from ._errors import AttentionBackendError
 from ._override import BackendOverride, raise_when_run
 
 __all__ = [
@@ -51,10 +54,6 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FULL_WINDOW = 2147483647  # pre/next tokens for full bidirectional attention on Ascend
 
-
-
-class AttentionBackendError(RuntimeError):
-    """The requested attention backend cannot run this call; the message says why."""
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -122,13 +121,13 @@ def _probe_sdpa() -> str | None:
 # --------------------------------------------------------------------------------------------- #
 
 
-def _fa3_impl(q, k, v, scale):
+def _fa3_impl(q, k, v, scale, key_mask=None):
     mod = _module_or_none("flash_attn_interface")
     out = mod.flash_attn_func(q, k, v, softmax_scale=scale, causal=False)
     return out[0] if isinstance(out, tuple) else out
 
 
-def _fa2_impl(q, k, v, scale):
+def _fa2_impl(q, k, v, scale, key_mask=None):
     mod = _module_or_none("flash_attn")
     return mod.flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=False)
 
@@ -142,7 +141,7 @@ def _pfa_op():
     return torch.ops.lite_boost.prompt_flash_attention
 
 
-def _npu_impl(q, k, v, scale):
+def _npu_impl(q, k, v, scale, key_mask=None):
     # The documented default scale_value is 1.0 (not head_dim ** -0.5): always pass it.
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     op = _pfa_op()
@@ -165,10 +164,11 @@ def _npu_impl(q, k, v, scale):
     )
 
 
-def _sdpa_impl(q, k, v, scale):
+def _sdpa_impl(q, k, v, scale, key_mask=None):
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     gqa = {"enable_gqa": True} if qt.shape[1] != kt.shape[1] else {}
-    out = F.scaled_dot_product_attention(qt, kt, vt, scale=scale, **gqa)
+    mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, S_k): True = attend
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, **gqa)
     return out.transpose(1, 2)
 
 
@@ -186,8 +186,10 @@ class BackendSpec:
     probe: Callable[[], str | None]
     impl: Callable[..., torch.Tensor]
     description: str
+    supports_key_mask: bool = False  # takes a (B, S_k) boolean key-padding mask
 
-    def rejects(self, device_type: str, dtype: torch.dtype, head_dim: int, heads: int, gqa: bool) -> str | None:
+    def rejects(self, device_type: str, dtype: torch.dtype, head_dim: int, heads: int, gqa: bool,
+                masked: bool = False) -> str | None:
         """The reason this backend cannot run the call, or None. Cheap checks first, probing last."""
         if device_type not in self.devices:
             return f"wrong device: needs {'/'.join(self.devices)}, got {device_type}"
@@ -204,6 +206,8 @@ class BackendSpec:
             return f"unsupported head count {heads}: needs <= {self.max_heads}"
         if gqa and not self.supports_gqa:
             return "grouped-query attention (fewer KV heads) not supported"
+        if masked and not self.supports_key_mask:
+            return "no key-padding mask support (key_mask given)"
         return self.probe()
 
 
@@ -218,7 +222,8 @@ BACKENDS: dict[str, BackendSpec] = {
                     "Ascend prompt flash attention (torch.ops.lite_boost.prompt_flash_attention when its NPU kernel "
                     "is built, else torch_npu.npu_prompt_flash_attention), BSND, full bidirectional"),
         BackendSpec("sdpa", ("cpu", "cuda", "npu", "mps", "xpu"), _FLOAT_DTYPES, 1 << 16, 1, None, True,
-                    _probe_sdpa, _sdpa_impl, "torch.nn.functional.scaled_dot_product_attention"),
+                    _probe_sdpa, _sdpa_impl, "torch.nn.functional.scaled_dot_product_attention",
+                    supports_key_mask=True),
     )
 }
 assert tuple(BACKENDS) == ATTENTION_BACKEND_NAMES
@@ -235,10 +240,11 @@ _OVERRIDE = BackendOverride(ATTENTION_BACKEND_NAMES, ENV_VAR, "attention_backend
 
 @functools.lru_cache(maxsize=512)
 def _decide(device_type: str, dtype: torch.dtype, head_dim: int, heads: int, gqa: bool,
-            requested: str | None, how: str) -> tuple[str | None, str | None]:
+            requested: str | None, how: str, masked: bool = False) -> tuple[str | None, str | None]:
     """(backend name, None) or (None, error message) for a call signature; logs each choice once."""
-    reasons = {n: BACKENDS[n].rejects(device_type, dtype, head_dim, heads, gqa) for n in _AUTO_ORDER}
-    sig = f"{device_type}/{str(dtype).replace('torch.', '')}/head_dim={head_dim}/heads={heads}"
+    reasons = {n: BACKENDS[n].rejects(device_type, dtype, head_dim, heads, gqa, masked) for n in _AUTO_ORDER}
+    sig = (f"{device_type}/{str(dtype).replace('torch.', '')}/head_dim={head_dim}/heads={heads}"
+           + ("/key_mask" if masked else ""))
     if requested is not None:
         why = reasons[requested]
         if why is not None:
@@ -266,28 +272,33 @@ def _decide_traced(*signature) -> tuple[str | None, str | None]:
     return _decide(*signature)
 
 
-def _signature(q: torch.Tensor, k: torch.Tensor | None, layout: str, backend: str | None) -> tuple:
+def _signature(q: torch.Tensor, k: torch.Tensor | None, layout: str, backend: str | None,
+               masked: bool = False) -> tuple:
     heads_axis = 2 if layout == "BSND" else 1
     kv_heads = (k if k is not None else q).shape[heads_axis]
     requested, how = _OVERRIDE.requested(backend)
-    return (q.device.type, q.dtype, q.shape[-1], q.shape[heads_axis], kv_heads != q.shape[heads_axis], requested, how)
+    return (q.device.type, q.dtype, q.shape[-1], q.shape[heads_axis], kv_heads != q.shape[heads_axis], requested, how,
+            masked)
 
 
 def select_backend(q: torch.Tensor, k: torch.Tensor | None = None, *, layout: str = "BSND",
-                   backend: str | None = None) -> str:
-    """Name of the backend ``attention`` would use for these tensors (raises if a forced one cannot run)."""
+                   backend: str | None = None, masked: bool = False) -> str:
+    """Name of the backend ``attention`` would use for these tensors (raises if a forced one cannot run).
+
+    ``masked``: the call passes a ``key_mask`` (only backends with key-padding mask support qualify).
+    """
     layout = _check_layout(layout)
-    name, error = _decide(*_signature(q, k, layout, backend))
+    name, error = _decide(*_signature(q, k, layout, backend, masked))
     if error is not None:
         raise AttentionBackendError(error)
     return name
 
 
 def available_backends(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                       head_dim: int = 128, heads: int = 8) -> dict[str, str | None]:
-    """Map backend name -> None if usable for this signature, else the reason it is not."""
+                       head_dim: int = 128, heads: int = 8, masked: bool = False) -> dict[str, str | None]:
+    """Map backend name -> None if usable for this signature (``masked``: with a key mask), else why not."""
     device_type = torch.device(device).type
-    return {n: BACKENDS[n].rejects(device_type, dtype, head_dim, heads, False) for n in _AUTO_ORDER}
+    return {n: BACKENDS[n].rejects(device_type, dtype, head_dim, heads, False, masked) for n in _AUTO_ORDER}
 
 
 def backend_report() -> list[tuple[str, str, str]]:
@@ -342,8 +353,21 @@ def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str 
     return layout
 
 
+def _check_key_mask(key_mask, k: torch.Tensor, layout: str) -> None:
+    s_ax = 1 if layout == "BSND" else 2
+    if not isinstance(key_mask, torch.Tensor) or key_mask.dtype != torch.bool:
+        raise TypeError(f"key_mask must be a bool tensor (True = attend) or None, got "
+                        f"{getattr(key_mask, 'dtype', type(key_mask).__name__)}")
+    if tuple(key_mask.shape) != (k.shape[0], k.shape[s_ax]):
+        raise ValueError(f"key_mask must have shape (B, S_k) = ({k.shape[0]}, {k.shape[s_ax]}), "
+                         f"got {tuple(key_mask.shape)}")
+    if key_mask.device != k.device:
+        raise ValueError(f"key_mask must be on the device of k ({k.device}), got {key_mask.device}")
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "BSND",
-              scale: float | None = None, backend: str | None = None) -> torch.Tensor:
+              scale: float | None = None, backend: str | None = None,
+              key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Full (non-causal) scaled dot-product attention, output in the input layout and dtype.
 
     Args:
@@ -351,17 +375,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
             diffusers' attention processors, or "BNSD"). k/v may have fewer heads than q (GQA).
         scale: softmax scale; None = head_dim ** -0.5.
         backend: force one of "fa3", "fa2", "npu", "sdpa"; None = context manager, env var, automatic.
+        key_mask: (B, S_k) bool, True where a key may be attended (padded text tokens False), or None.
+            Every query row needs at least one True key. Only backends with key-mask support run it
+            (automatic choice skips the others; a forced one without support raises and lists the
+            usable backends).
     """
     layout = validate_qkv(q, k, v, layout)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0):
         raise ValueError(f"scale must be a positive number or None, got {scale!r}")
-    sig = _signature(q, k, layout, backend)
+    if key_mask is not None:
+        _check_key_mask(key_mask, k, layout)
+    sig = _signature(q, k, layout, backend, key_mask is not None)
     name, error = _decide_traced(*sig) if torch.compiler.is_compiling() else _decide(*sig)
     if error is not None:  # eager: raises now; traced: raises when the compiled graph runs
         return raise_when_run("attention", error, q)  # output has the shape of q
     if layout == "BNSD":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    out = BACKENDS[name].impl(q, k, v, scale)
+    impl = BACKENDS[name].impl
+    out = impl(q, k, v, scale) if key_mask is None else impl(q, k, v, scale, key_mask)
     return out.transpose(1, 2) if layout == "BNSD" else out
 
 

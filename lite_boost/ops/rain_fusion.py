@@ -39,6 +39,7 @@ import torch
 
 from . import _ext, _sparse_npu
 from ._flex import FLEX
+from ._errors import SparseBackendError
 from ._override import BackendOverride
 from ._sparse_kernels import dense_masked_attention, gather_attention
 
@@ -62,10 +63,6 @@ LAYOUTS = ("TND", "BNSD")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Per-call argument > ``with sparse_backend(...)`` > LITE_BOOST_SPARSE_BACKEND.
 _OVERRIDE = BackendOverride(SPARSE_BACKENDS, ENV_VAR, "sparse_backend(...)")
-
-
-class SparseBackendError(RuntimeError):
-    """The requested block-sparse backend cannot run this call; the message says why."""
 
 
 # --------------------------------------------------------------------------------------------- #

@@ -9,6 +9,11 @@ rotation is one complex multiply over q or k, computed in fp32 whatever the inpu
 Pairs are interleaved, as in Wan: channels (2i, 2i+1) of a head form the complex number
 x[2i] + j x[2i+1], rotated by angle pos * theta ** (-2i / dim) of its axis. The head dim is split
 into t/h/w parts like diffusers: h = w = 2 * (D // 6), t = D - h - w.
+
+Families whose RoPE module builds its own tables convert them once into the same cached form:
+:func:`phasors_from_complex` (complex tables, e.g. Qwen-Image's) and :func:`phasors_from_cos_sin`
+(interleaved real cos / sin tables, e.g. HunyuanVideo's or Flux's), each serving a row range with
+identity rows past the sequence end; :meth:`RopeCache.get_or_build` keeps them under any key.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-__all__ = ["RotaryEmbedding", "RopeCache", "apply_rotary_emb", "rope_tables", "rotate", "axis_dims"]
+__all__ = ["RotaryEmbedding", "RopeCache", "apply_rotary_emb", "rope_tables", "rotate", "axis_dims",
+           "phasors_from_complex", "phasors_from_cos_sin"]
 
 
 class RotaryEmbedding(NamedTuple):
@@ -81,6 +87,36 @@ def rope_tables(grid: Sequence[int], head_dim: int, *, theta: float = 10000.0, d
     return RotaryEmbedding(out.view(1, stop - start, 1, head_dim // 2), start, stop, seq_len)
 
 
+def phasors_from_complex(freqs: torch.Tensor, start: int = 0, stop: int | None = None) -> RotaryEmbedding:
+    """Rows [start, stop) of complex tables ``freqs`` (S, D/2) as a RotaryEmbedding (1, n, 1, D/2).
+
+    Rows at or past S (padding of an equal sequence shard) are identity rotations. The values are
+    ``freqs`` rounded to complex64 (no new arithmetic), so rotating with them equals a complex
+    multiply with the model's own tables.
+    """
+    if freqs.dim() != 2 or not freqs.is_complex():
+        raise ValueError(f"freqs must be a complex (S, D/2) tensor, got {freqs.dtype} {tuple(freqs.shape)}")
+    seq_len = freqs.shape[0]
+    start, stop = _check_range(start, stop, seq_len)
+    freqs = freqs.to(torch.complex64)
+    rows = freqs[start:min(stop, seq_len)]
+    if stop > seq_len:
+        pad = torch.ones(stop - max(start, seq_len), freqs.shape[1], dtype=torch.complex64, device=freqs.device)
+        rows = torch.cat([rows, pad])
+    return RotaryEmbedding(rows.reshape(1, stop - start, 1, freqs.shape[1]).contiguous(), start, stop, seq_len)
+
+
+def phasors_from_cos_sin(cos: torch.Tensor, sin: torch.Tensor, start: int = 0,
+                         stop: int | None = None) -> RotaryEmbedding:
+    """Interleaved real tables ``cos``, ``sin`` (S, D) (each value repeated for its pair) as phasors.
+
+    The same conversion as :func:`apply_rotary_emb`: pair i takes ``cos[:, 2i]`` and ``sin[:, 2i + 1]``.
+    """
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[-1] % 2:
+        raise ValueError(f"cos / sin must both be (S, D) with D even, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    return phasors_from_complex(torch.complex(cos[:, 0::2].float(), sin[:, 1::2].float()), start, stop)
+
+
 class RopeCache:
     """Bounded LRU of RoPE tables keyed by (grid, head_dim, theta, device, start, stop).
 
@@ -101,20 +137,29 @@ class RopeCache:
 
     def get(self, grid: Sequence[int], head_dim: int, *, theta: float = 10000.0, device=None,
             start: int = 0, stop: int | None = None) -> RotaryEmbedding:
+        """The (t, h, w) grid tables of :func:`rope_tables`, cached."""
         grid = _check_grid(grid)
         device = torch.device(device) if device is not None else torch.device("cpu")
-        if torch.compiler.is_compiling():
-            # Traced (full-model torch.compile): the tables are a pure function of constants of the
-            # graph, built inside it (no lock, no Python-side cache state for dynamo to guard on).
-            return rope_tables(grid, head_dim, theta=theta, device=device, start=start, stop=stop)
         key = (grid, int(head_dim), float(theta), str(device), int(start), stop)
+        return self.get_or_build(key, lambda: rope_tables(grid, head_dim, theta=theta, device=device,
+                                                          start=start, stop=stop))
+
+    def get_or_build(self, key, build):
+        """The entry under ``key`` (hashable), built by ``build()`` on a miss.
+
+        Inside a graph traced by ``torch.compile`` the cache is bypassed: ``build()`` runs in the graph
+        (the tables are a pure function of constants of the graph; no lock, no Python-side cache state
+        for dynamo to guard on).
+        """
+        if torch.compiler.is_compiling():
+            return build()
         with self._lock:
             hit = self._data.get(key)
             if hit is not None:
                 self._data.move_to_end(key)
                 self.hits += 1
                 return hit
-        tables = rope_tables(grid, head_dim, theta=theta, device=device, start=start, stop=stop)
+        tables = build()
         with self._lock:
             self.misses += 1
             self._data[key] = tables

@@ -4,13 +4,16 @@
     from lite_boost.parallel import ParallelManager
     pipe = ParallelManager(pipe, {"parallel": {"cfg_degree": 2}})   # cfg 2 x sequence 2
 
-This package knows nothing of any particular model: models declare a sharding plan
-(:class:`lite_boost.parallel.plan.ShardingPlan`) that the generic hooks here execute.
+This package knows nothing of any particular model: model families declare a sharding plan
+(:class:`lite_boost.parallel.plan.ShardingPlan`) that the generic hooks here execute, and the
+composition "boost, then parallelise" (``ParallelManager``) lives in the public surface
+(``lite_boost.api``): it is re-exported here, the one import from this package up to ``lite_boost.api``
+(an ``ignore_imports`` entry of the import contracts in ``pyproject.toml``).
 """
 
 from .comm import CommStats, Communicator, head_split, shard_length
 from .groups import ParallelMesh, init_mesh
-from .plan import CfgPlan, GatherOutput, PipelinePlan, PlanError, ShardingPlan, SplitInput, SplitOutput
+from .plan import CfgPlan, GatherOutput, PipelinePlan, PlanError, RankArg, ShardingPlan, SplitInput, SplitOutput
 from .ulysses import SequenceShardInfo, UlyssesAttention
 from .vae import ParallelVAE, UnsupportedVAEError, parallelize_vae, plan_chunks, register_vae_adapter, unparallelize_vae
 
@@ -19,6 +22,7 @@ __all__ = [
     "GatherOutput",
     "PipelinePlan",
     "PlanError",
+    "RankArg",
     "ShardingPlan",
     "SplitInput",
     "SplitOutput",
@@ -37,13 +41,18 @@ __all__ = [
     "head_split",
     "init_mesh",
     "initialize_usp",
+    "parallelize",
     "shard_length",
     "unparallelize",
 ]
 
 
 def __getattr__(name):  # the manager imports diffusers-facing code; load it on first use
-    if name in ("ParallelManager", "initialize_usp", "unparallelize"):
+    if name == "ParallelManager":
+        from ..api import ParallelManager  # the documented exception: the public composition, re-exported
+
+        return ParallelManager
+    if name in ("initialize_usp", "unparallelize", "parallelize"):
         from . import manager
 
         return getattr(manager, name)

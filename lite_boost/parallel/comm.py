@@ -196,7 +196,7 @@ class Communicator:
         part = x.narrow(dim, min(start, x.shape[dim]), max(stop - start, 0))
         return pad_dim(part, dim, s).contiguous() if part.shape[dim] != s else part.contiguous()
 
-    def gather(self, x: torch.Tensor, dim: int, length: int | None = None) -> torch.Tensor:
+    def gather(self, x: torch.Tensor, dim: int, length: int | None = None, op: str = "gather") -> torch.Tensor:
         """All-gather equal shards along ``dim`` and drop the padding beyond ``length``."""
         if self.size == 1:
             return x if length is None else x.narrow(dim % x.ndim, 0, length)
@@ -206,12 +206,13 @@ class Communicator:
             out = funcol.all_gather_tensor(moved, 0, group=self._funcol_group)
         else:
             out = moved.new_empty((self.size * moved.shape[0],) + tuple(moved.shape[1:]))
-            self.all_gather_into(out, moved, op="gather")
+            self.all_gather_into(out, moved, op=op)
         if length is not None:
             out = out[:length]
         return out.movedim(0, dim)
 
-    def all_gather_uneven(self, x: torch.Tensor, dim: int, sizes: list[int] | None = None) -> torch.Tensor:
+    def all_gather_uneven(self, x: torch.Tensor, dim: int, sizes: list[int] | None = None,
+                          op: str = "gather") -> torch.Tensor:
         """Concatenate tensors of different lengths along ``dim`` from all ranks (in rank order).
 
         ``sizes`` (the length on every rank) avoids one extra small collective when known.
@@ -228,7 +229,7 @@ class Communicator:
             raise ValueError(f"sizes={sizes} inconsistent with group size {self.size} / local length {x.shape[dim]}")
         m = max(sizes)
         padded = pad_dim(x, dim, m)
-        full = self.gather(padded, dim)
+        full = self.gather(padded, dim, op=op)
         parts = [full.narrow(dim, r * m, sizes[r]) for r in range(self.size)]
         return torch.cat(parts, dim=dim)
 

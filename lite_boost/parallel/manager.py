@@ -1,41 +1,41 @@
-"""``ParallelManager(target, config)``: sequence (Ulysses) and CFG parallelism under torchrun.
+"""Sequence (Ulysses) and CFG parallelism applied to boosted models: the generic half of ``ParallelManager``.
 
-    # torchrun --nproc_per_node 4 generate.py
-    pipe = ParallelManager(pipe, {"parallel": {"cfg_degree": 2}})   # cfg 2 x sequence 2
-    video = pipe(prompt=...).frames[0]                              # the call is unchanged
+``lite_boost.ParallelManager`` (``lite_boost.api``; re-exported as ``lite_boost.parallel.ParallelManager``)
+looks the target's family up, validates everything before any collective, boosts the target, then
+calls :func:`parallelize` here with the family's plans. Nothing here knows any model:
 
-What it does, on the instances only (never on classes):
-
-1. validates the config and the target (adapter and sharding plan present, degrees fit the world
-   size) before any collective, then creates the cfg x sequence mesh (``initialize_usp``);
-2. boosts the target with the single-process adapter (``lite_boost.boost``);
-3. for each transformer, executes the adapter's declarative :class:`~lite_boost.parallel.plan.ShardingPlan`
-   with generic hooks: tokens split after patch embedding, each rank's RoPE rows, Ulysses around every
-   self-attention ``attn_fn`` (one packed all_to_all each way), gather after the output projection;
-4. for a pipeline with cfg degree 2, the conditional pass runs on cfg rank 0 and the unconditional
-   pass on cfg rank 1 at the same time; the two results are exchanged with one all_gather at the end
-   of the second call. The pipeline still makes both calls; the rank that does not own a pass returns
-   a placeholder the exchange fills in place (the pipeline only combines the two after the second call);
-5. the latents prepared by the pipeline are broadcast from rank 0, so every rank starts from the same
-   noise even without a generator.
-
-With a world size of 1 this is exactly ``lite_boost.boost(target, config)``.
+1. ``initialize_usp`` creates the cfg x sequence mesh;
+2. for each transformer, :func:`parallelize` executes the declarative
+   :class:`~lite_boost.parallel.plan.ShardingPlan` with generic hooks: tokens split after patch
+   embedding, each rank's RoPE rows, Ulysses around every self / joint attention ``attn_fn`` (one
+   packed all_to_all each way), gather after the output projection;
+3. with cfg degree 2 and a pipeline that calls the transformer once per branch ("separate" CFG),
+   the conditional pass runs on cfg rank 0 and the unconditional pass on cfg rank 1 at the same
+   time; the two results are exchanged with one all_gather at the end of the second call. The
+   pipeline still makes both calls; the rank that does not own a pass returns a placeholder the
+   exchange fills in place (the pipeline only combines the two after the second call). A pipeline
+   that batches the two branches ("batched" CFG) has each cfg rank run its half of the batch, and
+   the output is gathered on the batch;
+4. the latents prepared by the pipeline are broadcast from rank 0, so every rank starts from the same
+   noise even without a generator;
+5. the pipeline's VAE decode / encode is spread over the ranks where a parallel-VAE adapter exists.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from ..config import BoostConfig, ConfigError
+from ..config import BoostConfig
 from .groups import ParallelMesh, init_mesh
-from .plan import PipelinePlan, PlanError, SequenceParallelHooks, ShardingPlan
+from .plan import PipelinePlan, PlanError, SequenceParallelHooks
 
-__all__ = ["ParallelManager", "initialize_usp", "unparallelize", "PlanError", "parallel_state"]
+__all__ = ["initialize_usp", "parallelize", "unparallelize", "PlanError", "parallel_state", "check_vae"]
 
 logger = logging.getLogger("lite_boost.parallel")
 
@@ -52,46 +52,6 @@ def initialize_usp(config=None, *, init_method: str | None = None, device=None) 
     """
     boost_cfg = BoostConfig.coerce(config)
     return init_mesh(boost_cfg.parallel, init_method=init_method, device=device)
-
-
-# ------------------------------------------------------------------------------------------ plans
-def _lookup(target):
-    from ..models import lookup
-
-    return lookup(target)
-
-
-def _sharding_plan(model) -> ShardingPlan:
-    from ..models import SUPPORTED_MODELS, UnsupportedModelError
-
-    try:
-        fn = _lookup(model)
-    except UnsupportedModelError as exc:
-        raise PlanError(str(exc)) from None
-    plan = getattr(fn, "sharding_plan", None)
-    if not isinstance(plan, ShardingPlan):
-        with_plans = sorted(n for n, f in SUPPORTED_MODELS.items() if isinstance(getattr(f, "sharding_plan", None), ShardingPlan))
-        raise PlanError(
-            f"{type(model).__name__} has no sequence-parallel sharding plan; models with a plan: {with_plans}. "
-            "Declare one as `<boost fn>.sharding_plan = ShardingPlan(...)` in its adapter."
-        )
-    return plan
-
-
-def _resolve_target(target):
-    """Return (pipeline plan or None, [(attr name, transformer)]) after checking every plan."""
-    fn = _lookup(target)  # UnsupportedModelError (a TypeError) for unknown classes
-    pplan = getattr(fn, "pipeline_plan", None)
-    if isinstance(pplan, PipelinePlan):
-        models = [(n, getattr(target, n, None)) for n in pplan.transformers]
-        models = [(n, m) for n, m in models if m is not None]
-        if not models:
-            raise PlanError(f"{type(target).__name__} has none of {list(pplan.transformers)} set")
-    else:
-        models = [("", target)]
-    for _, m in models:
-        _sharding_plan(m)
-    return (pplan if isinstance(pplan, PipelinePlan) else None), models
 
 
 # ------------------------------------------------------------------------------------------ CFG
@@ -114,12 +74,51 @@ def _wrap_like(kwargs, tensor):
     return (tensor,)
 
 
+class _CfgActive:
+    """Whether the pipeline runs CFG in its current call: ``CfgPlan.flag``, or the encode counter.
+
+    Without a flag attribute (the pipeline keeps the decision in a local variable), the pipeline's
+    ``call_start`` method (called once at the start of every pipeline call) resets a counter and its
+    ``encodes`` method (once per prompt) counts: two encodes = prompt and negative prompt = CFG.
+    """
+
+    def __init__(self, pipe, plan):
+        self.pipe = pipe
+        self.plan = plan
+        self.encodes = 0
+
+    def __call__(self) -> bool:
+        if self.plan.flag is not None:
+            return bool(getattr(self.pipe, self.plan.flag, False))
+        return self.encodes >= 2
+
+    def install(self, patched: list) -> None:
+        """Wrap the pipeline's ``call_start`` / ``encodes`` methods on the instance (names into ``patched``)."""
+        if self.plan.flag is not None:
+            return
+        for name, action in ((self.plan.call_start, self._reset), (self.plan.encodes, self._count)):
+            inner = getattr(self.pipe, name)
+
+            def wrapper(*args, _inner=inner, _action=action, **kwargs):
+                _action()
+                return _inner(*args, **kwargs)
+
+            object.__setattr__(self.pipe, name, wrapper)
+            patched.append(name)
+
+    def _reset(self):
+        self.encodes = 0
+
+    def _count(self):
+        self.encodes += 1
+
+
 class _CfgForward:
     """Instance ``forward`` of a transformer that splits the cond / uncond passes over the cfg group."""
 
-    def __init__(self, model, pipe, plan, mesh: ParallelMesh):
+    def __init__(self, model, active: _CfgActive, plan, mesh: ParallelMesh):
         self.model = model
-        self.pipe = pipe
+        self.active = active
         self.plan = plan
         self.mesh = mesh
         self.inner = model.forward  # bound method (or an earlier instance wrapper)
@@ -128,7 +127,14 @@ class _CfgForward:
         self.calls = {"computed": 0, "deferred": 0}
 
     def _active(self) -> bool:
-        return self.context in (self.plan.cond, self.plan.uncond) and bool(getattr(self.pipe, self.plan.flag, False))
+        return self.context in (self.plan.cond, self.plan.uncond) and self.active()
+
+    def _placeholder(self, args, kwargs) -> torch.Tensor:
+        hs = kwargs.get("hidden_states", args[0] if args else None)
+        dtype = hs.dtype if isinstance(hs, torch.Tensor) else torch.float32
+        device = hs.device if isinstance(hs, torch.Tensor) else self.mesh.device
+        shape = self.plan.output_shape(self.model, args, kwargs) if self.plan.output_shape is not None else (0,)
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def __call__(self, *args, **kwargs):
         if not self._active():
@@ -142,10 +148,9 @@ class _CfgForward:
                 self.pending = _first_tensor(out)
                 return out
             self.calls["deferred"] += 1
-            hs = kwargs.get("hidden_states", args[0] if args else None)
-            dtype = hs.dtype if isinstance(hs, torch.Tensor) else torch.float32
-            device = hs.device if isinstance(hs, torch.Tensor) else self.mesh.device
-            self.pending = torch.empty(0, dtype=dtype, device=device)
+            # filled in place at the exchange; with the output's shape known (CfgPlan.output_shape)
+            # the pipeline may take views of it (e.g. slice the target tokens) before that
+            self.pending = self._placeholder(args, kwargs)
             return _wrap_like(kwargs, self.pending)
         # uncond pass: exchange
         if self.pending is None:
@@ -161,13 +166,63 @@ class _CfgForward:
         cond, uncond = both[0], both[1]
         if mine == 1:
             placeholder = self.pending
-            placeholder.resize_(cond.shape)
+            if placeholder.shape != cond.shape:
+                placeholder.resize_(cond.shape)
             placeholder.copy_(cond)
         self.pending = None
         return _wrap_like(kwargs, uncond)
 
 
-def _patch_cache_context(model, cfg_forward: _CfgForward):
+class _BatchedCfgForward:
+    """Instance ``forward`` for pipelines that batch cond and uncond: each cfg rank runs its half.
+
+    Inside ``cache_context(plan.cond)`` with CFG on, every argument of ``plan.batch_args`` is split
+    on dim 0 into the cfg degree's equal parts (cfg rank r takes part r: rank 0 the first branch,
+    rank 1 the second), and the output is all-gathered on dim 0 so every rank returns the whole batch.
+    """
+
+    def __init__(self, model, active: _CfgActive, plan, mesh: ParallelMesh):
+        self.model = model
+        self.active = active
+        self.plan = plan
+        self.mesh = mesh
+        self.inner = model.forward
+        self.context: str | None = None
+        self.calls = {"computed": 0, "split": 0}
+        try:
+            params = list(inspect.signature(self.inner).parameters)
+        except (TypeError, ValueError):
+            params = []
+        self.index = {name: params.index(name) for name in plan.batch_args if name in params}
+
+    def _half(self, x, name):
+        if not isinstance(x, torch.Tensor) or x.ndim == 0:
+            return x
+        n = self.mesh.cfg_degree
+        if x.shape[0] % n:
+            raise RuntimeError(f"batched CFG: argument {name!r} has batch {x.shape[0]}, not a multiple of the cfg "
+                               f"degree {n}")
+        part = x.shape[0] // n
+        return x.narrow(0, self.mesh.cfg.rank * part, part)
+
+    def __call__(self, *args, **kwargs):
+        if self.context != self.plan.cond or not self.active():
+            self.calls["computed"] += 1
+            return self.inner(*args, **kwargs)
+        self.calls["split"] += 1
+        args = list(args)
+        for name in self.plan.batch_args:
+            if name in kwargs:
+                kwargs[name] = self._half(kwargs[name], name)
+            elif self.index.get(name, len(args)) < len(args):
+                args[self.index[name]] = self._half(args[self.index[name]], name)
+        local = _first_tensor(self.inner(*args, **kwargs)).contiguous()
+        both = local.new_empty((self.mesh.cfg_degree,) + tuple(local.shape))
+        self.mesh.cfg.all_gather_into(both, local.unsqueeze(0), op="cfg_exchange")
+        return _wrap_like(kwargs, both.flatten(0, 1))
+
+
+def _patch_cache_context(model, cfg_forward):
     inner = model.cache_context
 
     @contextlib.contextmanager
@@ -240,27 +295,33 @@ def _broadcast_latents(pipe, name: str, mesh: ParallelMesh):
 
 
 # ------------------------------------------------------------------------------------------ VAE
-def _check_vae(target, config: BoostConfig, mesh: ParallelMesh | None):
+def world_size_of(mesh: ParallelMesh | None) -> int:
+    """The world size of ``mesh``, an existing default process group or the torchrun environment."""
+    if isinstance(mesh, ParallelMesh):
+        return mesh.world_size
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    from .groups import read_torchrun_env
+
+    return read_torchrun_env()[2]
+
+
+def check_vae(target, config: BoostConfig, mesh: ParallelMesh | None, *, unsupported: str | None = None):
     """The parallel-VAE adapter of ``target.vae`` when the VAE will run parallel, else None.
 
-    Raises (UnsupportedVAEError, ConfigError) before any collective. The world size comes from the
-    given mesh, an existing default process group or the torchrun environment.
+    ``unsupported``: why the target's family has no parallel VAE; then ``vae_parallel=None`` (auto)
+    leaves the VAE on every rank (logged) and an explicit mode raises. Raises (UnsupportedVAEError,
+    ConfigError) before any collective.
     """
     vae = getattr(target, "vae", None)
     mode = config.parallel.vae_parallel
-    if vae is None or mode == "off":
+    if vae is None or mode == "off" or (mesh is not None and not isinstance(mesh, ParallelMesh)):
+        return None  # (ParallelManager rejects a bad mesh argument itself)
+    if world_size_of(mesh) == 1:
         return None
-    if mesh is not None:
-        if not isinstance(mesh, ParallelMesh):
-            return None  # ParallelManager rejects the mesh argument itself
-        world = mesh.world_size
-    elif torch.distributed.is_available() and torch.distributed.is_initialized():
-        world = torch.distributed.get_world_size()
-    else:
-        from .groups import read_torchrun_env
-
-        world = read_torchrun_env()[2]
-    if world == 1:
+    if unsupported is not None and mode is None:
+        logger.info("lite_boost parallel VAE: off for %s (%s); every rank runs the VAE", type(vae).__name__,
+                    unsupported)
         return None
     from .vae import vae_adapter_for
 
@@ -276,86 +337,29 @@ def _install_vae(vae, adapter, config: BoostConfig, mesh: ParallelMesh) -> None:
     logger.info("lite_boost parallel VAE: %s", runner)
 
 
-def _rank_device(target, mesh, device, move_to_device):
-    """The device this rank's model will run on (for checks made before the mesh exists)."""
-    if not move_to_device:
-        return None  # where its weights are now
-    if mesh is not None and isinstance(mesh, ParallelMesh):
-        dev = mesh.device
-    elif device is not None:
-        dev = torch.device(device)
-    else:
-        from .groups import default_device, read_torchrun_env
-
-        dev = default_device(read_torchrun_env()[1])
-    return None if dev.type == "cpu" else dev
-
-
-# ------------------------------------------------------------------------------------------ API
-def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh: ParallelMesh | None = None,
-                    init_method: str | None = None, device=None, move_to_device: bool = True):
-    """Make ``target`` (a Wan pipeline or transformer) run sequence / CFG parallel; returns ``target``.
+# ------------------------------------------------------------------------------------------ apply
+def parallelize(target, models, plans, pipeline_plan: PipelinePlan | None, config: BoostConfig,
+                mesh: ParallelMesh, *, vae_adapter=None):
+    """Apply sequence / CFG parallelism to already boosted ``models`` of ``target``; returns ``target``.
 
     Args:
-        target: a supported diffusers pipeline (``WanPipeline``, ``WanImageToVideoPipeline``, incl.
-            Wan2.2 two-transformer variants) or transformer (``WanTransformer3DModel``).
-        config: BoostConfig / ParallelConfig / mapping / None. ``parallel.cfg_degree`` (1 or 2) and
-            ``parallel.sequence_degree`` (default world_size // cfg_degree) shape the mesh;
-            ``parallel.timeout_s`` bounds every collective; ``parallel.vae_parallel`` ("exact" by default
-            on more than one rank, "chunked" or "off") spreads ``target.vae``'s decode / encode over all
-            ranks (:mod:`lite_boost.parallel.vae`).
-        mesh: an existing mesh from ``initialize_usp`` (default: create one from the torchrun env).
-        init_method: rendezvous URL when this call initialises torch.distributed (default env://).
-        device: override the rank's device (default from LOCAL_RANK).
-        move_to_device: move the target to the rank's device when that is not the CPU.
+        target: the pipeline (or the transformer itself).
+        models: the boosted transformers to parallelise.
+        plans: their :class:`ShardingPlan` (one per model, None where sequence parallelism is off).
+        pipeline_plan: the pipeline's :class:`PipelinePlan` (None for a bare transformer).
+        config: the boost config (timeouts, VAE settings).
+        mesh: the cfg x sequence mesh.
+        vae_adapter: the parallel-VAE adapter of ``target.vae`` (from :func:`check_vae`), or None.
 
-    Every rank must call this with the same arguments. Invalid degrees, an unsupported class or a
-    model without a sharding plan raise before any collective. World size 1 = ``lite_boost.boost``.
-    The patch lives on the instances; ``unparallelize(target)`` removes it.
+    The caller validated everything before (no check here may fail half-way between collectives).
     """
-    from ..api import boost
-
-    config = BoostConfig.coerce(config)
-    pplan, models = _resolve_target(target)  # raises before any collective
-    vae_adapter = _check_vae(target, config, mesh)  # unsupported VAE / bad VAE settings: before any collective
-    if config.cache is not None:
-        from ..cache import check_cache_support
-
-        check_cache_support(target, config.cache, cfg_degree=mesh.cfg_degree if mesh is not None
-                            else config.parallel.cfg_degree)  # method / model fit, before any collective
-    if config.quant is not None:  # layers, device, dtype: before any collective (every rank quantizes alike)
-        from ..quant import check_quant_support
-
-        check_quant_support(target, config.quant, device=_rank_device(target, mesh, device, move_to_device))
-    if mesh is None:
-        if config.parallel.cfg_degree > 1 and (pplan is None or pplan.cfg is None):
-            raise ConfigError(
-                f"cfg_degree={config.parallel.cfg_degree} needs a pipeline that runs classifier-free guidance; "
-                f"{type(target).__name__} is not one. Valid cfg_degree here: [1]"
-            )
-        mesh = init_mesh(config.parallel, init_method=init_method, device=device)
-    elif not isinstance(mesh, ParallelMesh):
-        raise TypeError(f"mesh must be a ParallelMesh from initialize_usp, got {type(mesh).__name__}")
-    elif mesh.cfg_degree > 1 and (pplan is None or pplan.cfg is None):
-        raise ConfigError(f"a mesh with cfg_degree={mesh.cfg_degree} needs a pipeline with CFG; "
-                          f"{type(target).__name__} is not one")
-
-    unparallelize(target)
-    moved = False
-    if config.quant is not None and move_to_device and mesh.device.type != "cpu" and hasattr(target, "to"):
-        target.to(mesh.device)  # quantize where the model will run (FP8 / W8A8 kernels check the device)
-        moved = True
-    boost(target, config)
-    if move_to_device and not moved and mesh.device.type != "cpu" and hasattr(target, "to"):
-        target.to(mesh.device)
-
     if mesh.world_size == 1:
         return target
-
-    for _, model in models:
+    cfg_plan = pipeline_plan.cfg if pipeline_plan is not None else None
+    active = _CfgActive(target, cfg_plan) if cfg_plan is not None else None
+    for model, plan in zip(models, plans):
         state = _ModelParallel(mesh=mesh)
         if mesh.sequence_degree > 1:
-            plan = _sharding_plan(model)
             state.hooks = SequenceParallelHooks(model, plan, mesh.sequence).apply()
             runtime = model._lite_boost.extras.get("cache")
             if runtime is not None:  # data-dependent cache decisions: one statistic per sequence group
@@ -369,7 +373,8 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh:
                     state.hooks.remove()
                     raise
         if mesh.cfg_degree > 1:
-            cfg = _CfgForward(model, target, pplan.cfg, mesh)
+            cls = _BatchedCfgForward if cfg_plan.kind == "batched" else _CfgForward
+            cfg = cls(model, active, cfg_plan, mesh)
             for name in ("forward", "cache_context"):
                 if name in model.__dict__:  # e.g. a diffusers cache hook's forward: put it back on removal
                     state.priors[name] = model.__dict__[name]
@@ -381,11 +386,13 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh:
 
     if vae_adapter is not None:
         _install_vae(target.vae, vae_adapter, config, mesh)
-    if pplan is not None:
-        pstate = _PipelineParallel(mesh=mesh, config=config, models=[m for _, m in models])
-        if pplan.prepare_latents and hasattr(target, pplan.prepare_latents):
-            _broadcast_latents(target, pplan.prepare_latents, mesh)
-            pstate.patched.append(pplan.prepare_latents)
+    if pipeline_plan is not None:
+        pstate = _PipelineParallel(mesh=mesh, config=config, models=list(models))
+        if pipeline_plan.prepare_latents and hasattr(target, pipeline_plan.prepare_latents):
+            _broadcast_latents(target, pipeline_plan.prepare_latents, mesh)
+            pstate.patched.append(pipeline_plan.prepare_latents)
+        if active is not None and mesh.cfg_degree > 1:
+            active.install(pstate.patched)
         object.__setattr__(target, _PIPE_ATTR, pstate)
     logger.info("lite_boost parallel: %s", mesh.describe())
     return target
@@ -398,17 +405,15 @@ def unparallelize(target):
         from .vae import unparallelize_vae
 
         unparallelize_vae(vae)
+    models = [target]
     pstate = target.__dict__.get(_PIPE_ATTR) if hasattr(target, "__dict__") else None
     if pstate is not None:
         for name in pstate.patched:
             if name in target.__dict__:
                 object.__delattr__(target, name)
         object.__delattr__(target, _PIPE_ATTR)
-    try:
-        _, models = _resolve_target(target)
-    except (PlanError, TypeError):
-        return target
-    for _, model in models:
+        models = pstate.models
+    for model in models:
         state = parallel_state(model)
         if state is not None:
             state.remove(model)

@@ -16,12 +16,24 @@ Contract with the adapter (all names come from the plan):
 Sequence layout: the sequence is padded at its end to a multiple of the degree and each rank holds
 ``ceil(S / P)`` consecutive tokens; :class:`~lite_boost.parallel.ulysses.SequenceShardInfo` carries
 the real length from the split hooks to the attention wrapper and the gather hook.
+
+Module paths may contain ``*`` for a ``ModuleList`` index (``"transformer_blocks.*"``): the rule then
+applies at every matching module, for tensors a model passes unsharded to every block (Qwen-Image's
+per-token ``modulate_index``).
+
+Text streams: with ``text="replicate"`` (the default) the text tokens of joint attention stay whole
+on every rank and only the image / video stream is split; the attention wrapper slices the text to
+its heads (:mod:`lite_boost.ops.joint`). ``text="shard"`` declares that the plan splits the text
+arguments too (as diffusers' own plans do), for families whose processors attend the text as part of
+the sharded stream.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -34,10 +46,18 @@ __all__ = [
     "GatherOutput",
     "ShardingPlan",
     "CfgPlan",
+    "CFG_KINDS",
     "PipelinePlan",
     "PlanError",
+    "RankArg",
     "SequenceParallelHooks",
+    "TEXT_POLICIES",
 ]
+
+TEXT_POLICIES = ("replicate", "shard")
+# "separate": two transformer calls per step named by cache_context (Wan, Qwen-Image, Flux true CFG);
+# "batched": one call with cond and uncond stacked on the batch (LTX, CogVideoX); "none": no CFG.
+CFG_KINDS = ("separate", "batched", "none")
 
 
 class PlanError(TypeError):
@@ -48,8 +68,10 @@ class PlanError(TypeError):
 class SplitInput:
     """Split input ``arg`` (keyword name) of ``module`` along ``dim`` before the module runs.
 
-    ``ndim``: split only when the tensor has this many dims (e.g. per-token timesteps), else pass.
-    ``defines_length``: this tensor's ``dim`` is the sequence (sets / checks the sequence length).
+    ``module`` may contain ``*`` (every matching module). A tuple or list of tensors (RoPE tables a
+    pipeline passes in, as CogVideoX's ``image_rotary_emb``) has each element split. ``ndim``: split
+    only when the tensor has this many dims (e.g. per-token timesteps), else pass. ``defines_length``:
+    this tensor's ``dim`` is the sequence (sets / checks the sequence length).
     """
 
     module: str
@@ -61,14 +83,33 @@ class SplitInput:
 
 @dataclass(frozen=True)
 class SplitOutput:
-    """Split the tensor output(s) of ``module`` along ``dim`` (tuples of tensors: every element).
+    """Split the tensor output(s) of ``module`` along ``dim``.
 
-    Outputs whose ``dim`` already has the shard length (e.g. served pre-sliced by a cache), and
-    outputs that are not tensors or tuples of tensors, pass through unchanged.
+    ``index``: for a tuple output, split only that element (None: every element). Outputs whose
+    ``dim`` already has the shard length (e.g. served pre-sliced by a cache), and outputs that are
+    not tensors or tuples of tensors, pass through unchanged.
     """
 
     module: str
     dim: int
+    index: int | None = None
+
+
+@dataclass(frozen=True)
+class RankArg:
+    """Replace a scalar argument by a rank-dependent value before ``module`` runs.
+
+    ``fn(value, start, stop) -> value``: [start, stop) is this rank's token range of the global
+    sequence (``stop`` may pass the real length: padding). Example (HunyuanVideo-I2V, the first
+    ``first_frame_num_tokens`` tokens are modulated differently)::
+
+        RankArg("transformer_blocks.*", "first_frame_num_tokens",
+                lambda n, start, stop: max(0, min(n - start, stop - start)))
+    """
+
+    module: str
+    arg: str
+    fn: Callable[[object, int, int], object]
 
 
 @dataclass(frozen=True)
@@ -89,23 +130,53 @@ class ShardingPlan:
     state_attr: str = "_lite_boost"
     attention_processors: str = "self_attention_processors"
     rope_range: str | None = None
+    rank_args: tuple[RankArg, ...] = ()
+    text: str = "replicate"
 
     def __post_init__(self):
         if not self.split_inputs or not self.gather_outputs:
             raise PlanError("a ShardingPlan needs at least one split input and one gather output")
+        if self.text not in TEXT_POLICIES:
+            raise PlanError(f"ShardingPlan.text must be one of {list(TEXT_POLICIES)}, got {self.text!r}")
 
 
 @dataclass(frozen=True)
 class CfgPlan:
     """How a pipeline runs classifier-free guidance.
 
-    flag: pipeline attribute that is truthy when CFG runs this call (both passes follow).
-    cond / uncond: names the pipeline gives the two transformer calls via ``cache_context(name)``.
+    kind: one of :data:`CFG_KINDS`. "separate": cond and uncond are two transformer calls, named
+        ``cond`` / ``uncond`` by ``cache_context``; with cfg degree 2 each cfg rank computes one and
+        the results are exchanged. "batched": one call inside ``cache_context(cond)`` with the two
+        branches stacked on the batch; with cfg degree 2 each cfg rank runs its half of the batch
+        arguments ``batch_args`` and the output is gathered on the batch. "none": no CFG.
+    flag: pipeline attribute that is truthy when CFG runs this call, or None when the pipeline
+        keeps it in a local variable (then ``encodes``: CFG runs iff the pipeline method ``encodes``
+        ran twice since ``call_start`` last ran, once for the prompt and once for the negative
+        prompt, as in Qwen-Image's pipelines).
+    cond / uncond: the ``cache_context`` names of the two passes (batched: ``cond`` names the call).
+    batch_args: batched kind: the forward arguments that carry the two branches on dim 0.
+    output_shape: separate kind: ``output_shape(model, args, kwargs) -> shape`` of the transformer
+        output, so the rank that defers a pass can return a placeholder of the right shape (needed
+        when the pipeline takes a view of the output, e.g. slices the target tokens, before the
+        exchange fills it); None = an empty placeholder resized at the exchange.
     """
 
-    flag: str = "do_classifier_free_guidance"
+    flag: str | None = "do_classifier_free_guidance"
     cond: str = "cond"
     uncond: str = "uncond"
+    kind: str = "separate"
+    encodes: str | None = None
+    call_start: str | None = None
+    batch_args: tuple[str, ...] = ()
+    output_shape: Callable | None = None
+
+    def __post_init__(self):
+        if self.kind not in CFG_KINDS:
+            raise PlanError(f"CfgPlan.kind must be one of {list(CFG_KINDS)}, got {self.kind!r}")
+        if self.kind != "none" and self.flag is None and not (self.encodes and self.call_start):
+            raise PlanError("CfgPlan needs a pipeline flag attribute, or encodes= and call_start= method names")
+        if self.kind == "batched" and not self.batch_args:
+            raise PlanError("CfgPlan(kind='batched') needs batch_args (the forward arguments holding both branches)")
 
 
 @dataclass(frozen=True)
@@ -146,13 +217,21 @@ class SequenceParallelHooks:
         self._check()
 
     # -------------------------------------------------------------- validation (no collectives)
-    def _module(self, path: str) -> torch.nn.Module:
-        try:
-            return self.model.get_submodule(path) if path else self.model
-        except AttributeError:
+    def _modules(self, path: str) -> list[torch.nn.Module]:
+        """The module at ``path``, or every module matching it when it contains ``*``."""
+        if "*" in path:
+            pattern = re.compile(r"\.".join(r"\d+" if p == "*" else re.escape(p) for p in path.split(".")))
+            found = [m for name, m in self.model.named_modules() if pattern.fullmatch(name)]
+        else:
+            try:
+                found = [self.model.get_submodule(path) if path else self.model]
+            except AttributeError:
+                found = []
+        if not found:
             raise PlanError(
                 f"sharding plan of {type(self.model).__name__} names module {path!r}, which this instance lacks"
-            ) from None
+            )
+        return found
 
     def _check(self) -> None:
         plan = self.plan
@@ -164,12 +243,12 @@ class SequenceParallelHooks:
         if not procs or not all(hasattr(p, "attn_fn") for p in procs):
             raise PlanError(f"boost state of {type(self.model).__name__} has no processors with attn_fn in "
                             f"{plan.attention_processors!r}")
-        for s in plan.split_inputs:
-            mod = self._module(s.module)
-            if _arg_index(mod, s.arg) is None:
-                raise PlanError(f"module {s.module!r} ({type(mod).__name__}).forward has no argument {s.arg!r}")
+        for s in (*plan.split_inputs, *plan.rank_args):
+            for mod in self._modules(s.module):
+                if _arg_index(mod, s.arg) is None:
+                    raise PlanError(f"module {s.module!r} ({type(mod).__name__}).forward has no argument {s.arg!r}")
         for g in (*plan.gather_outputs, *plan.split_outputs):
-            self._module(g.module)
+            self._modules(g.module)
         self._state = state
 
     # -------------------------------------------------------------- hooks
@@ -183,37 +262,63 @@ class SequenceParallelHooks:
                 raise RuntimeError(f"sequence length changed within one forward: {self.info.seq_len} -> {n}")
         return self.comm.shard(x, dim)
 
-    def _make_split_input(self, spec: SplitInput, module: torch.nn.Module):
-        index = _arg_index(module, spec.arg)
+    @staticmethod
+    def _replace_arg(module: torch.nn.Module, name: str, fn):
+        """A pre-hook replacing argument ``name`` (keyword or positional) by ``fn(value)`` (None = keep)."""
+        index = _arg_index(module, name)
 
         def pre_hook(mod, args, kwargs):
-            if spec.arg in kwargs:
-                x = kwargs[spec.arg]
-                if isinstance(x, torch.Tensor) and (spec.ndim is None or x.ndim == spec.ndim):
-                    kwargs = dict(kwargs)
-                    kwargs[spec.arg] = self._split(x, spec.dim, spec.defines_length)
-                    return args, kwargs
+            if name in kwargs:
+                new = fn(kwargs[name])
+                if new is not None:
+                    return args, {**kwargs, name: new}
             elif index is not None and index < len(args):
-                x = args[index]
-                if isinstance(x, torch.Tensor) and (spec.ndim is None or x.ndim == spec.ndim):
-                    args = list(args)
-                    args[index] = self._split(x, spec.dim, spec.defines_length)
-                    return tuple(args), kwargs
+                new = fn(args[index])
+                if new is not None:
+                    return args[:index] + (new,) + args[index + 1:], kwargs
             return None
 
         return pre_hook
 
-    def _make_split_output(self, spec: SplitOutput):
-        def hook(mod, args, out):
-            def one(t):
-                d = spec.dim % t.ndim
-                if self.info.shard_len is not None and t.shape[d] == self.info.shard_len:
-                    return t
-                return self.comm.shard(t, d)
+    def _make_split_input(self, spec: SplitInput, module: torch.nn.Module):
+        def fits(x):
+            return isinstance(x, torch.Tensor) and (spec.ndim is None or x.ndim == spec.ndim)
 
+        def split(x):
+            if fits(x):
+                return self._split(x, spec.dim, spec.defines_length)
+            if type(x) in (tuple, list) and x and all(fits(t) for t in x):  # e.g. (cos, sin) passed in
+                return type(x)(self._split(t, spec.dim, spec.defines_length) for t in x)
+            return None
+
+        return self._replace_arg(module, spec.arg, split)
+
+    def _make_rank_arg(self, spec: RankArg, module: torch.nn.Module):
+        def replace(value):
+            if value is None or self.info.shard_len is None:
+                return None
+            start = self.comm.rank * self.info.shard_len
+            return spec.fn(value, start, start + self.info.shard_len)
+
+        return self._replace_arg(module, spec.arg, replace)
+
+    def _make_split_output(self, spec: SplitOutput):
+        def one(t):
+            d = spec.dim % t.ndim
+            if self.info.shard_len is not None and t.shape[d] == self.info.shard_len:
+                return t
+            return self.comm.shard(t, d)
+
+        def hook(mod, args, out):
             if isinstance(out, torch.Tensor):
-                return one(out)
-            if type(out) in (tuple, list) and out and all(isinstance(t, torch.Tensor) for t in out):
+                return one(out) if spec.index in (None, 0) else None
+            if type(out) not in (tuple, list) or not out:
+                return None
+            if spec.index is not None:
+                if spec.index >= len(out) or not isinstance(out[spec.index], torch.Tensor):
+                    return None
+                return type(out)(one(t) if i == spec.index else t for i, t in enumerate(out))
+            if all(isinstance(t, torch.Tensor) for t in out):
                 return type(out)(one(t) for t in out)
             return None
 
@@ -240,12 +345,17 @@ class SequenceParallelHooks:
         # clear the shard info at the start of every forward (registered first: runs first)
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         for spec in plan.split_inputs:
-            mod = self._module(spec.module)
-            self._handles.append(mod.register_forward_pre_hook(self._make_split_input(spec, mod), with_kwargs=True))
+            for mod in self._modules(spec.module):
+                self._handles.append(mod.register_forward_pre_hook(self._make_split_input(spec, mod), with_kwargs=True))
+        for spec in plan.rank_args:
+            for mod in self._modules(spec.module):
+                self._handles.append(mod.register_forward_pre_hook(self._make_rank_arg(spec, mod), with_kwargs=True))
         for spec in plan.split_outputs:
-            self._handles.append(self._module(spec.module).register_forward_hook(self._make_split_output(spec)))
+            for mod in self._modules(spec.module):
+                self._handles.append(mod.register_forward_hook(self._make_split_output(spec)))
         for spec in plan.gather_outputs:
-            self._handles.append(self._module(spec.module).register_forward_hook(self._make_gather(spec)))
+            for mod in self._modules(spec.module):
+                self._handles.append(mod.register_forward_hook(self._make_gather(spec)))
         for proc in getattr(self._state, plan.attention_processors):
             self._wrapped.append((proc, proc.attn_fn))
             proc.attn_fn = UlyssesAttention(proc.attn_fn, self.comm, self.info)

@@ -12,6 +12,13 @@ its end to a multiple of the degree). ``UlyssesAttention(attn_fn, comm)`` turns 
 
 The inner function is called once per rank with the full sequence, so anything that needs the whole
 sequence (block-sparse masks, token grids) works unchanged.
+
+Joint attention (MMDiT blocks, :mod:`lite_boost.ops.joint`): ``wrapper(q, k, v, joint=JointTokens(...))``
+takes the sharded image / video stream as ``q, k, v`` and the text stream, replicated on every rank,
+as ``joint``. Only the sharded stream goes through the all_to_all; each rank hands the inner function
+its own heads of the text (a slice, no communication), and the text output of every rank's heads is
+put back together with one all_gather over heads. Exchanging the replicated text as if it were
+sharded would place each text key P times in the joint sequence and bias the softmax by log P.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from ..ops.joint import JointTokens
 from .comm import Communicator, head_split, shard_length
 
 __all__ = ["UlyssesAttention", "SequenceShardInfo"]
@@ -64,7 +72,12 @@ class UlyssesAttention:
 
     ``q``, ``k``, ``v`` passed to the wrapper are this rank's (B, S_local, H, D) shards with S_local
     equal on every rank. Extra keyword arguments are forwarded to ``attn_fn`` unchanged. The wrapper
-    itself has no rank-dependent control flow around its two collectives.
+    itself has no rank-dependent control flow around its collectives.
+
+    With ``joint`` (a :class:`~lite_boost.ops.joint.JointTokens` of the replicated text stream, all H
+    heads, identical on every rank) the call returns ``(out, joint_out)``: ``attn_fn`` receives
+    ``joint.heads(...)`` for this rank's heads and must return ``(out, joint_out)`` for them, and the
+    joint output of all heads is reassembled with one all_gather (B, T, H, D) on every rank.
     """
 
     def __init__(self, attn_fn: Callable[..., torch.Tensor], comm: Communicator,
@@ -80,9 +93,13 @@ class UlyssesAttention:
     def __repr__(self) -> str:
         return f"UlyssesAttention(degree={self.comm.size}, attn_fn={getattr(self.attn_fn, '__name__', self.attn_fn)!r})"
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, joint: JointTokens | None = None,
+                 **kwargs):
         if q.ndim != 4:
             raise ValueError(f"UlyssesAttention expects (B, S, H, D) tensors, got q of shape {tuple(q.shape)}")
+        if joint is not None:
+            joint.check(q, v)
+            kwargs["joint"] = joint
         comm = self.comm
         if comm.size == 1:
             return self.attn_fn(q, k, v, **kwargs)
@@ -96,14 +113,28 @@ class UlyssesAttention:
                     f"{self.shard_info.shard_len} per rank ({self.shard_info})"
                 )
         qh, kh, vh = comm.qkv_to_heads(q, k, v, seq_len=seq_len)
-        h_me = head_split(H, comm.size)[comm.rank]
+        heads = head_split(H, comm.size)
+        h_me = heads[comm.rank]
+        joint_out = None
+        if joint is not None:
+            h0 = sum(heads[: comm.rank])
+            kwargs["joint"] = joint.heads(h0, h0 + h_me)
         if h_me > 0:
-            out = self.attn_fn(qh, kh, vh, **kwargs)
+            res = self.attn_fn(qh, kh, vh, **kwargs)
+            out, joint_out = res if joint is not None else (res, None)
             expected = qh.shape[:3] + (vh.shape[-1],)
             if tuple(out.shape) != tuple(expected):
                 raise RuntimeError(
                     f"inner attn_fn returned shape {tuple(out.shape)}, expected (B, S, H, D) = {tuple(expected)}"
                 )
-        else:  # fewer heads than ranks: this rank has nothing to attend, it still joins both exchanges
+        else:  # fewer heads than ranks: this rank has nothing to attend, it still joins every exchange
             out = qh.new_empty(qh.shape[:3] + (vh.shape[-1],))
-        return comm.heads_to_seq(out.to(q.dtype), H, s)
+            if joint is not None:
+                joint_out = joint.v.new_empty(joint.v.shape[:2] + (0, joint.v.shape[-1]))
+        out = comm.heads_to_seq(out.to(q.dtype), H, s)
+        if joint is None:
+            return out
+        # text rows of every rank's heads -> (B, T, H, D) on every rank (one all_gather over heads)
+        joint_out = comm.all_gather_uneven(joint_out.to(joint.q.dtype).contiguous(), 2, sizes=heads,
+                                           op="joint_heads")
+        return out, joint_out

@@ -109,7 +109,9 @@ def register_vae_adapter(*class_names: str, replace: bool = False):
 
 
 def _load_builtin_adapters() -> None:
-    from .. import models  # noqa: F401  (importing the adapters registers them)
+    from ..registry import load_builtin_adapters as load  # importing the adapters registers them
+
+    load()
 
 
 def vae_adapter_for(vae) -> "VAEAdapter":

@@ -1,0 +1,188 @@
+"""The generic boost: install a family's processors, cached RoPE, sparse attention and step cache.
+
+Everything here works from a :class:`~lite_boost.adapter.family.ModelFamily` description; nothing
+knows a particular model. What ``boost_model(family, model, config)`` changes, on the instance only
+(never on diffusers' classes):
+
+* every module matching one of the family's attention sites gets the site's processor (diffusers'
+  ``set_processor``), the original kept for ``unboost``;
+* the family's RoPE module gets an instance ``forward`` serving the cached fp32 tables (when the
+  family's ``matches`` check says the cached tables reproduce the module's);
+* block-sparse attention (``config.sparse``) and diffusers' step-cache hooks (``config.cache``);
+* quantized Linear layers (``config.quant``, :mod:`lite_boost.quant`): the family's default
+  ``quant_patterns`` or the config's own patterns; the original weights are kept for ``unboost``;
+* ``model._lite_boost`` holds the :class:`BoostState`.
+
+Without ``config.quant`` the weights, the module tree and ``state_dict`` are untouched, so ``.to()``,
+``.eval()`` and ``save_pretrained`` keep working (with it, see :mod:`lite_boost.quant`), and boosting
+twice with the same config is a no-op.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..config import BoostConfig
+from ..ops.rope import RopeCache
+from ..quant import check_uninstall_quant, install_quant, uninstall_quant
+from .cache import install_cache, uninstall_cache
+from .processor import LiteBoostProcessor
+from .sparse import attach_pipeline, install_sparse, uninstall_sparse
+
+__all__ = ["BoostState", "boost_model", "unboost_model", "boost_pipeline", "unboost_pipeline", "match_sites",
+           "STATE_ATTR"]
+
+STATE_ATTR = "_lite_boost"
+
+
+@dataclass
+class BoostState:
+    """Everything lite_boost attached to one transformer instance (``model._lite_boost``)."""
+
+    config: BoostConfig
+    rope_cache: RopeCache
+    processors: dict[str, LiteBoostProcessor] = field(default_factory=dict)
+    original_processors: dict[str, object] = field(default_factory=dict)
+    rope_patched: bool = False
+    grid: tuple[int, int, int] | None = None  # latent token grid of the latest forward (set by the RoPE shim)
+    # Token range [start, stop) of the RoPE tables served for a sequence of the given length; set by
+    # sequence parallelism so each rank gets its slice (stop may pass seq_len: padding rows).
+    rope_range: Callable[[int], tuple[int, int]] | None = None
+    extras: dict = field(default_factory=dict)  # per-feature state (sparse schedule, step cache, parallel plan)
+    family: object = None  # the ModelFamily that boosted the model
+
+    @property
+    def self_attention_processors(self) -> list[LiteBoostProcessor]:
+        """Processors whose ``attn_fn`` sees the token sequence (roles "self" and "joint")."""
+        return [p for p in self.processors.values() if p.role != "cross"]
+
+    @property
+    def cross_attention_processors(self) -> list[LiteBoostProcessor]:
+        return [p for p in self.processors.values() if p.role == "cross"]
+
+    def serve_range(self, seq_len: int) -> tuple[int, int]:
+        """The RoPE rows [start, stop) to serve for a sequence of ``seq_len`` tokens (this rank's slice)."""
+        return self.rope_range(seq_len) if self.rope_range is not None else (0, seq_len)
+
+
+def _site_pattern(path: str) -> re.Pattern:
+    parts = [r"(\d+)" if p == "*" else re.escape(p) for p in path.split(".")]
+    return re.compile(r"\.".join(parts))
+
+
+def match_sites(family, model) -> list[tuple[str, object, object, int]]:
+    """(name, module, site, layer index) of every module matching an attention site, in module order.
+
+    The layer index is the number matched by the site path's first ``*`` (0 when it has none).
+    Raises TypeError when a site matches nothing or a matched module has no ``set_processor``.
+    """
+    patterns = [(site, _site_pattern(site.path)) for site in family.attention]
+    found, seen = [], set()
+    for name, module in model.named_modules():
+        for site, pattern in patterns:
+            m = pattern.fullmatch(name)
+            if m is None:
+                continue
+            if not hasattr(module, "set_processor"):
+                raise TypeError(f"{name} ({type(module).__name__}) is not a diffusers attention module with "
+                                f"set_processor (attention site {site.path!r} of the {family.name} family)")
+            found.append((name, module, site, int(m.group(1)) if m.groups() else 0))
+            seen.add(site.path)
+            break
+    missing = [s.path for s in family.attention if s.path not in seen]
+    if missing:
+        raise TypeError(f"{type(model).__name__} does not look like a {family.name} transformer "
+                        f"({' / '.join(family.transformers)}): no module matches the attention site(s) {missing}")
+    return found
+
+
+def check_model(family, model) -> list:
+    """Raise TypeError unless ``model`` has the family's attention sites and RoPE module; returns the sites."""
+    sites = match_sites(family, model)
+    if family.rope is not None:
+        try:
+            model.get_submodule(family.rope.module)
+        except AttributeError:
+            raise TypeError(f"{type(model).__name__} does not look like a {family.name} transformer: no RoPE "
+                            f"module {family.rope.module!r}") from None
+    return sites
+
+
+def boost_model(family, model, config: BoostConfig | None = None):
+    """Boost one transformer of ``family`` in place and return it (idempotent for an equal config)."""
+    config = BoostConfig.coerce(config)
+    sites = check_model(family, model)
+    family.check_config(config, model)
+    state = getattr(model, STATE_ATTR, None)
+    if state is not None:
+        if state.config == config and state.family is family:
+            return model
+        unboost_model(model)
+
+    state = BoostState(config=config, rope_cache=RopeCache(config.rope_cache_size), family=family)
+    install_quant(model, state)  # first: on failure it leaves the model as it was
+    for name, module, site, layer in sites:
+        proc = site.processor(layer, site.role, config.attention_backend)
+        proc.text_first = family.joint != "image_first"
+        state.original_processors[name] = module.processor
+        state.processors[name] = proc
+        module.set_processor(proc)
+    if family.rope is not None:
+        rope = model.get_submodule(family.rope.module)
+        if family.rope.matches is None or family.rope.matches(rope):
+            rope.forward = family.rope.forward(rope, state)
+            state.rope_patched = True
+    install_sparse(model, state)  # block-sparse self-attention when config.sparse asks for it
+    install_cache(model, state)  # diffusers' step-cache hooks when config.cache asks for them
+    setattr(model, STATE_ATTR, state)
+    return model
+
+
+def unboost_model(model):
+    """Undo :func:`boost_model`: original processors, RoPE forward and weights back; returns the model."""
+    state = getattr(model, STATE_ATTR, None)
+    if state is None:
+        return model
+    check_uninstall_quant(state)  # QuantError before anything is undone when the weights were not kept
+    for name, proc in state.original_processors.items():
+        model.get_submodule(name).set_processor(proc)
+    family = state.family
+    if state.rope_patched and family is not None and family.rope is not None:
+        rope = model.get_submodule(family.rope.module)
+        if "forward" in rope.__dict__:
+            del rope.forward
+    uninstall_sparse(model, state)
+    uninstall_cache(model, state)
+    uninstall_quant(model, state)
+    delattr(model, STATE_ATTR)
+    return model
+
+
+def pipeline_transformers(family, pipe) -> list[tuple[str, object]]:
+    """(attribute, transformer) of every transformer the pipeline holds (``family.pipeline.transformers``)."""
+    found = [(n, getattr(pipe, n, None)) for n in family.pipeline.transformers]
+    found = [(n, m) for n, m in found if m is not None]
+    if not found:
+        raise ValueError(f"{type(pipe).__name__} has none of {list(family.pipeline.transformers)} set; nothing to boost")
+    return found
+
+
+def boost_pipeline(family, pipe, config: BoostConfig | None = None):
+    """Boost every transformer of a pipeline of ``family`` (checked first, then boosted)."""
+    config = BoostConfig.coerce(config)
+    transformers = pipeline_transformers(family, pipe)
+    for _, module in transformers:
+        check_model(family, module)
+        family.check_config(config, module)
+    for _, module in transformers:
+        boost_model(family, module, config)
+        attach_pipeline(module, pipe)  # the sparse schedule follows pipe.scheduler's step
+    return pipe
+
+
+def unboost_pipeline(family, pipe):
+    for _, module in pipeline_transformers(family, pipe):
+        unboost_model(module)
+    return pipe

@@ -1,0 +1,220 @@
+"""The declarative description of a model family: what varies per family is data.
+
+A :class:`ModelFamily` says where the attention processors go, how the text meets the image tokens,
+which module makes the RoPE tables and how they become the cached fp32 form, the latent token grid
+for sparse windows, where the sequence is split and gathered, how the pipeline runs classifier-free
+guidance, which step-cache methods fit, which modules quantize by default, and so which features
+the family supports. The generic machinery of :mod:`lite_boost.adapter` does the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from ..cache import CacheAdapter
+from ..config import BoostConfig, ConfigError
+from ..parallel.plan import PipelinePlan, ShardingPlan
+from . import boost as _boost
+from .processor import ROLES
+
+__all__ = ["AttentionSite", "RopeSource", "ModelFamily", "FEATURES", "JOINT_LAYOUTS"]
+
+# How the text meets the image / video tokens:
+# "cross": separate cross-attention (Wan, LTX); "text_first": joint attention over [text, image]
+# (Qwen-Image, Flux, CogVideoX); "image_first": joint attention over [image, text] (HunyuanVideo).
+JOINT_LAYOUTS = ("cross", "text_first", "image_first")
+
+# Features a family may support (``ModelFamily.features``; ``lite-boost models`` lists them).
+FEATURES = ("dense", "sparse", "sequence_parallel", "cfg_parallel", "step_cache", "compile", "parallel_vae", "quant")
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """Attention modules that get one processor shim.
+
+    path: module path with ``*`` for a ``ModuleList`` index, e.g. ``"transformer_blocks.*.attn"``
+        (the first ``*`` is the processor's layer index). Only matching modules are touched, so
+        refiner or adapter attentions elsewhere in the model keep diffusers' processors.
+    processor: ``processor(layer_idx, role, backend) -> LiteBoostProcessor`` (usually the class).
+    role: "self" (sequence self-attention), "joint" (the same with a text stream) or "cross".
+    """
+
+    path: str
+    processor: Callable[..., Any]
+    role: str = "self"
+
+    def __post_init__(self):
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"AttentionSite.path must be a module path such as 'blocks.*.attn1', got {self.path!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"AttentionSite.role must be one of {list(ROLES)}, got {self.role!r}")
+        if not callable(self.processor):
+            raise TypeError(f"AttentionSite.processor must be callable, got {type(self.processor).__name__}")
+
+
+@dataclass(frozen=True)
+class RopeSource:
+    """The module that produces the RoPE tables and its cached replacement.
+
+    module: path of the RoPE module (``"rope"``, ``"pos_embed"``).
+    forward: ``forward(rope_module, boost_state) -> callable`` building the instance ``forward`` that
+        serves the tables in the cached fp32 form (:class:`~lite_boost.ops.rope.RotaryEmbedding`,
+        from ``boost_state.rope_cache``; rows ``boost_state.serve_range(seq_len)`` under sequence
+        parallelism). The processor shim applies what it returns.
+    matches: ``matches(rope_module) -> bool``: the replacement reproduces this module (else diffusers'
+        own RoPE is kept and the plan's ``split_outputs`` shard its tables); None = always.
+    """
+
+    module: str
+    forward: Callable[[Any, Any], Callable]
+    matches: Callable[[Any], bool] | None = None
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """A diffusers model family as lite_boost boosts it (see the guide in :mod:`lite_boost.adapter`).
+
+    name: short name ("wan", "qwen-image"): CLI, docs and error messages.
+    transformers: transformer class names (subclasses are found by lookup).
+    pipelines: pipeline class names.
+    attention: the attention sites and their processor shims.
+    joint: how text meets the image tokens, one of :data:`JOINT_LAYOUTS`.
+    rope: the RoPE module and its cached replacement, or None (the family has no RoPE module).
+    token_grid: ``token_grid(model, args, kwargs) -> (t, h, w) | None``: the latent token grid of a
+        transformer call (shape arithmetic only: it runs in traced code), for sparse windows;
+        None = the family has no block-sparse path.
+    timestep_module: child module whose first argument is the timestep (where the compiled graph
+        advances the sparse step tracker); None = the step is tracked from the transformer call only.
+    sharding: where the sequence is split and gathered under sequence parallelism, or None.
+    pipeline: the pipelines' transformer attributes, CFG plan and latent preparation.
+    cache: the step-cache methods that fit (diffusers' hooks), or None.
+    quant_patterns: module-name patterns (``fnmatch``, e.g. ``"blocks.*"``) quantized by default.
+    unsupported: feature -> why not, for features the data would otherwise imply (or to explain a
+        missing one in ``lite-boost models``).
+    notes: one line for ``lite-boost models`` (e.g. what runs on one rank).
+    """
+
+    name: str
+    transformers: tuple[str, ...]
+    attention: tuple[AttentionSite, ...]
+    pipelines: tuple[str, ...] = ()
+    joint: str = "cross"
+    rope: RopeSource | None = None
+    token_grid: Callable[..., Any] | None = None
+    timestep_module: str | None = None
+    sharding: ShardingPlan | None = None
+    pipeline: PipelinePlan = field(default_factory=PipelinePlan)
+    cache: CacheAdapter | None = None
+    quant_patterns: tuple[str, ...] = ()
+    unsupported: Mapping[str, str] = field(default_factory=dict)
+    notes: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"ModelFamily.name must be a non-empty str, got {self.name!r}")
+        for what in ("transformers", "pipelines", "attention", "quant_patterns"):
+            object.__setattr__(self, what, tuple(getattr(self, what)))
+        if not self.transformers or not all(isinstance(n, str) and n for n in (*self.transformers, *self.pipelines)):
+            raise ValueError(f"family {self.name!r}: transformers / pipelines must be class names, got "
+                             f"{self.transformers!r} / {self.pipelines!r}")
+        if not self.attention or not all(isinstance(s, AttentionSite) for s in self.attention):
+            raise ValueError(f"family {self.name!r}: attention must be one or more AttentionSite")
+        if self.joint not in JOINT_LAYOUTS:
+            raise ValueError(f"family {self.name!r}: joint must be one of {list(JOINT_LAYOUTS)}, got {self.joint!r}")
+        if (self.joint == "cross") == any(s.role == "joint" for s in self.attention):
+            raise ValueError(f"family {self.name!r}: joint={self.joint!r} needs "
+                             f"{'no' if self.joint == 'cross' else 'at least one'} attention site with role 'joint'")
+        unknown = sorted(set(self.unsupported) - set(FEATURES))
+        if unknown:
+            raise ValueError(f"family {self.name!r}: unknown feature(s) {unknown} in unsupported; features: {list(FEATURES)}")
+        object.__setattr__(self, "boost_transformer", self._make_boost(transformer=True))
+        object.__setattr__(self, "boost_pipeline", self._make_boost(transformer=False))
+
+    # ------------------------------------------------------------------ generated boost functions
+    def _make_boost(self, transformer: bool):
+        family = self
+        ident = self.name.replace("-", "_")
+        if transformer:
+            def boost(model, config: BoostConfig | None = None):
+                return _boost.boost_model(family, model, config)
+
+            boost.unboost = _boost.unboost_model
+            kind, what = "transformer", " / ".join(self.transformers)
+        else:
+            def boost(pipe, config: BoostConfig | None = None):
+                return _boost.boost_pipeline(family, pipe, config)
+
+            boost.unboost = lambda pipe: _boost.unboost_pipeline(family, pipe)
+            kind, what = "pipeline", ", ".join(self.pipelines) or "(none)"
+        boost.__name__ = boost.__qualname__ = f"boost_{ident}_{kind}"
+        boost.__doc__ = f"Boost a {what} in place and return it (the {self.name} family; idempotent for an equal config)."
+        boost.family = family
+        return boost
+
+    # ------------------------------------------------------------------ capabilities
+    @property
+    def features(self) -> dict[str, str | None]:
+        """feature -> None when supported, else the reason it is not (every name of :data:`FEATURES`)."""
+        sequence_roles = any(s.role != "cross" for s in self.attention)
+        derived = {
+            "dense": None,
+            "sparse": None if (self.token_grid is not None and sequence_roles) else "no latent token grid declared",
+            "sequence_parallel": None if self.sharding is not None else "no sharding plan",
+            "cfg_parallel": (None if (self.pipelines and self.pipeline.cfg is not None
+                                      and self.pipeline.cfg.kind != "none") else "its pipelines run no CFG to split"),
+            "step_cache": None if self.cache is not None else "no cache adapter",
+            "compile": None,
+            "parallel_vae": None if self.pipelines else "no pipelines (the VAE belongs to the pipeline)",
+            "quant": None if self.quant_patterns else "no default quantization patterns",
+        }
+        return {f: self.unsupported.get(f, derived[f]) for f in FEATURES}
+
+    def supports(self, feature: str) -> bool:
+        if feature not in FEATURES:
+            raise ValueError(f"unknown feature {feature!r}; features: {list(FEATURES)}")
+        return self.features[feature] is None
+
+    def check_config(self, config: BoostConfig, model=None) -> None:
+        """ConfigError, naming the option, when ``config`` asks for a feature this family lacks."""
+        def refuse(option, feature):
+            from ..registry import families
+
+            others = [f.name for f in families() if f.supports(feature)]
+            raise ConfigError(f"{option} is not supported for the {self.name} family "
+                              f"({self.features[feature]}); families with {feature}: {others}")
+
+        if config.sparse is not None and config.sparse.sparse_type is not None and not self.supports("sparse"):
+            refuse("sparse (BoostConfig.sparse)", "sparse")
+        if config.cache is not None and not self.supports("step_cache"):
+            refuse("cache (BoostConfig.cache)", "step_cache")
+        if config.quant is not None and not self.supports("quant"):
+            refuse("quant (BoostConfig.quant)", "quant")
+
+    def is_pipeline(self, target) -> bool:
+        """True if ``target``'s class (or a base) is one of this family's pipelines."""
+        return any(cls.__name__ in self.pipelines for cls in type(target).__mro__)
+
+    def transformers_of(self, target) -> list:
+        """The transformers of a pipeline of this family (``pipeline.transformers`` attributes) or [target]."""
+        if not self.is_pipeline(target):
+            return [target]
+        return [m for m in (getattr(target, a, None) for a in self.pipeline.transformers) if m is not None]
+
+    def describe(self) -> dict:
+        """A plain summary (``lite-boost models``, docs)."""
+        return {
+            "family": self.name,
+            "pipelines": list(self.pipelines),
+            "transformers": list(self.transformers),
+            "joint": self.joint,
+            "cfg": self.pipeline.cfg.kind if self.pipeline.cfg is not None else "none",
+            "cache_methods": list(self.cache.methods) if self.cache is not None else [],
+            "quant_patterns": list(self.quant_patterns),
+            "features": self.features,
+            "notes": self.notes,
+        }
+
+    def __repr__(self) -> str:
+        return f"ModelFamily({self.name!r}, transformers={list(self.transformers)}, pipelines={list(self.pipelines)})"
+

@@ -29,11 +29,10 @@ This module imports neither diffusers nor torch.distributed at import time.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from .errors import ConfigError
+from .errors import ConfigError, check_regexes
 
 __all__ = [
     "CACHE_METHODS",
@@ -129,15 +128,7 @@ class CacheParam:
                 raise _error(f"{where} must be a non-empty list of positive finite numbers, got {value!r}")
             return tuple(float(x) for x in vals)
         if k == "regexes":
-            vals = [value] if isinstance(value, str) else list(value)
-            if not vals or not all(isinstance(x, str) and x for x in vals):
-                raise _error(f"{where} must be a non-empty list of regular expressions, got {value!r}")
-            for x in vals:
-                try:
-                    re.compile(x)
-                except re.error as exc:
-                    raise _error(f"{where}: {x!r} is not a valid regular expression ({exc})") from None
-            return tuple(vals)
+            return check_regexes(where, value if isinstance(value, str) else list(value))
         raise AssertionError(k)
 
 

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .errors import ConfigError
+from .errors import ConfigError, check_regexes
 
 __all__ = [
     "ConfigError",
@@ -21,6 +21,8 @@ __all__ = [
     "ParallelConfig",
     "BoostConfig",
     "CacheConfig",
+    "QuantConfig",
+    "QUANT_METHODS",
     "ATTENTION_BACKEND_NAMES",
     "SPARSE_BACKEND_NAMES",
 ]
@@ -34,6 +36,7 @@ SPARSE_TYPES = (None, "rf_v2")
 SPARSE_SELECTORS = ("subblock", "reference")  # = lite_boost.ops.sparse.SELECTORS (tested)
 SPARSE_BUDGETS = ("reference", "total")  # = lite_boost.ops.sparse.BUDGETS (tested)
 ROTATE_METHODS = ("p2p", "allgather")  # Ring attention K/V movement (lite_boost.parallel.ring)
+QUANT_METHODS = ("int8_dynamic", "int8_weight_only", "fp8", "w8a8_npu")  # = lite_boost.quant.QUANT_METHOD_INFO (tested)
 
 
 def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None, allow_none=False):
@@ -348,6 +351,53 @@ class CacheConfig(_ConfigMixin):
 
 
 @dataclass(frozen=True)
+class QuantConfig(_ConfigMixin):
+    """Quantized Linear layers (see :mod:`lite_boost.quant`).
+
+    method: "int8_dynamic" (int8 weights x int8 activations, dynamic per token; CPU, CUDA),
+        "int8_weight_only" (int8 weights; CPU, CUDA), "fp8" (float8_e4m3 weights x activations,
+        dynamic; CUDA sm89+, bfloat16 models) or "w8a8_npu" (int8 x int8 through
+        ``torch_npu.npu_quant_matmul``; Ascend, float16 / bfloat16 models).
+    include: regular expressions matched against whole module names inside the transformer (e.g.
+        ``r"blocks\.\d+\.ffn\..*"``); the nn.Linear layers that match are quantized. None = the
+        model adapter's default (Wan: every Linear of the transformer blocks: attention projections
+        and feed-forward; the embeddings, norms, final projection and modulation tables stay in
+        full precision).
+    exclude: regular expressions; matching layers stay in full precision.
+    keep_original: keep the original full-precision weights so that ``unboost`` restores them bit
+        for bit and ``save_pretrained`` writes them (on the CPU they stay where they are; on an
+        accelerator a host copy is kept). False frees them: unboost / save_pretrained then refuse.
+
+    ``QuantConfig.parse("int8_dynamic")`` reads the CLI form; ``{"quant": "int8_dynamic"}`` works too.
+    """
+
+    method: str = "int8_dynamic"
+    include: tuple[str, ...] | None = None
+    exclude: tuple[str, ...] = ()
+    keep_original: bool = True
+
+    def __post_init__(self):
+        _check_choice("method", self.method, QUANT_METHODS)
+        if self.include is not None:  # [] would quantize nothing: None means the model's default layers
+            object.__setattr__(self, "include", check_regexes("quant include", self.include))
+        object.__setattr__(self, "exclude", check_regexes("quant exclude", self.exclude, allow_empty=True))
+        _check_bool("keep_original", self.keep_original)
+
+    @classmethod
+    def from_dict(cls, data):
+        if isinstance(data, str):
+            return cls.parse(data)
+        return super().from_dict(data)
+
+    @classmethod
+    def parse(cls, spec: str) -> "QuantConfig":
+        """``"METHOD"``, e.g. ``"int8_dynamic"``."""
+        if not isinstance(spec, str):
+            raise ConfigError(f"quant must be one of {list(QUANT_METHODS)}, got {spec!r}")
+        return cls(method=spec.strip().replace("-", "_"))
+
+
+@dataclass(frozen=True)
 class BoostConfig(_ConfigMixin):
     """Top-level config for ``lite_boost.boost`` / ``ParallelManager``.
 
@@ -356,6 +406,7 @@ class BoostConfig(_ConfigMixin):
     sparse: SparseConfig or None (dense self-attention).
     parallel: ParallelConfig.
     cache: CacheConfig, a mapping, a "METHOD[:PARAM=VALUE,...]" string, or None (no step caching).
+    quant: QuantConfig, a mapping, a method name string, or None (full-precision Linear layers).
     """
 
     attention_backend: str | None = None
@@ -363,6 +414,7 @@ class BoostConfig(_ConfigMixin):
     sparse: SparseConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache: CacheConfig | None = None
+    quant: QuantConfig | None = None
 
     def __post_init__(self):
         _check_choice("attention_backend", self.attention_backend, (None,) + ATTENTION_BACKEND_NAMES)
@@ -380,6 +432,11 @@ class BoostConfig(_ConfigMixin):
         if self.cache is not None and not isinstance(self.cache, CacheConfig):
             raise ConfigError(f"cache must be a CacheConfig, a mapping, a 'METHOD[:PARAM=VALUE,...]' string or None, "
                               f"got {type(self.cache).__name__}")
+        if isinstance(self.quant, (Mapping, str)):
+            object.__setattr__(self, "quant", QuantConfig.from_dict(self.quant))
+        if self.quant is not None and not isinstance(self.quant, QuantConfig):
+            raise ConfigError(f"quant must be a QuantConfig, a mapping, a method name {list(QUANT_METHODS)} or None, "
+                              f"got {type(self.quant).__name__}")
 
     @classmethod
     def coerce(cls, config: "BoostConfig | SparseConfig | ParallelConfig | Mapping | None") -> "BoostConfig":
@@ -394,13 +451,15 @@ class BoostConfig(_ConfigMixin):
             return cls(parallel=config)
         if isinstance(config, CacheConfig):
             return cls(cache=config)
+        if isinstance(config, QuantConfig):
+            return cls(quant=config)
         if isinstance(config, Mapping):
             return cls.from_dict(config)
         raise ConfigError(
-            "config must be a BoostConfig, SparseConfig, ParallelConfig, a mapping or None, "
+            "config must be a BoostConfig, SparseConfig, ParallelConfig, CacheConfig, QuantConfig, a mapping or None, "
             f"got {type(config).__name__}"
         )
 
 
 _NESTED = {("BoostConfig", "sparse"): SparseConfig, ("BoostConfig", "parallel"): ParallelConfig,
-           ("BoostConfig", "cache"): CacheConfig}
+           ("BoostConfig", "cache"): CacheConfig, ("BoostConfig", "quant"): QuantConfig}

@@ -9,10 +9,13 @@ knows a particular model. What ``boost_model(family, model, config)`` changes, o
 * the family's RoPE module gets an instance ``forward`` serving the cached fp32 tables (when the
   family's ``matches`` check says the cached tables reproduce the module's);
 * block-sparse attention (``config.sparse``) and diffusers' step-cache hooks (``config.cache``);
+* quantized Linear layers (``config.quant``, :mod:`lite_boost.quant`): the family's default
+  ``quant_patterns`` or the config's own patterns; the original weights are kept for ``unboost``;
 * ``model._lite_boost`` holds the :class:`BoostState`.
 
-Weights, the module tree and ``state_dict`` are untouched, so ``.to()``, ``.eval()`` and
-``save_pretrained`` keep working, and boosting twice with the same config is a no-op.
+Without ``config.quant`` the weights, the module tree and ``state_dict`` are untouched, so ``.to()``,
+``.eval()`` and ``save_pretrained`` keep working (with it, see :mod:`lite_boost.quant`), and boosting
+twice with the same config is a no-op.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Callable
 
 from ..config import BoostConfig
 from ..ops.rope import RopeCache
+from ..quant import check_uninstall_quant, install_quant, uninstall_quant
 from .cache import install_cache, uninstall_cache
 from .processor import LiteBoostProcessor
 from .sparse import attach_pipeline, install_sparse, uninstall_sparse
@@ -118,6 +122,7 @@ def boost_model(family, model, config: BoostConfig | None = None):
         unboost_model(model)
 
     state = BoostState(config=config, rope_cache=RopeCache(config.rope_cache_size), family=family)
+    install_quant(model, state)  # first: on failure it leaves the model as it was
     for name, module, site, layer in sites:
         proc = site.processor(layer, site.role, config.attention_backend)
         proc.text_first = family.joint != "image_first"
@@ -136,10 +141,11 @@ def boost_model(family, model, config: BoostConfig | None = None):
 
 
 def unboost_model(model):
-    """Undo :func:`boost_model`: original processors and RoPE forward back; returns the model."""
+    """Undo :func:`boost_model`: original processors, RoPE forward and weights back; returns the model."""
     state = getattr(model, STATE_ATTR, None)
     if state is None:
         return model
+    check_uninstall_quant(state)  # QuantError before anything is undone when the weights were not kept
     for name, proc in state.original_processors.items():
         model.get_submodule(name).set_processor(proc)
     family = state.family
@@ -149,6 +155,7 @@ def unboost_model(model):
             del rope.forward
     uninstall_sparse(model, state)
     uninstall_cache(model, state)
+    uninstall_quant(model, state)
     delattr(model, STATE_ATTR)
     return model
 

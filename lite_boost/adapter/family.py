@@ -188,6 +188,8 @@ class ModelFamily:
             refuse("sparse (BoostConfig.sparse)", "sparse")
         if config.cache is not None and not self.supports("step_cache"):
             refuse("cache (BoostConfig.cache)", "step_cache")
+        if config.quant is not None and not self.supports("quant"):
+            refuse("quant (BoostConfig.quant)", "quant")
 
     def is_pipeline(self, target) -> bool:
         """True if ``target``'s class (or a base) is one of this family's pipelines."""

@@ -61,3 +61,37 @@ def test_boosting_a_model_without_the_sites_says_what_is_missing():
     assert fam.boost_transformer.__name__ == "boost_toy_transformer" and fam.boost_transformer.family is fam
     fam.boost_transformer.unboost(model)
     assert not hasattr(model, "_lite_boost") and model.blocks[0].attn.processor is None
+
+
+def test_call_context_is_recorded_for_the_call_in_progress_only():
+    """ModelFamily.call_context: the RoPE shim reads the caller's arguments of the current call
+    (here: the token count and the caller's tensor), nothing outside a call, hooks gone on unboost."""
+    from lite_boost.adapter import RopeSource
+
+    seen = []
+
+    def rope_forward(rope, state):
+        def forward(n):
+            seen.append(state.call)
+            return type(rope).forward(rope, n)
+        return forward
+
+    fam = ModelFamily("toy-ctx", transformers=("ToyTransformer",), attention=cases.toy_family().attention,
+                      rope=RopeSource("pos", rope_forward),
+                      call_context=lambda model, args, kwargs: (kwargs["hidden_states"].shape[1],
+                                                                kwargs["hidden_states"]))
+    model = fam.boost_transformer(cases.ToyTransformer())
+    state = model._lite_boost
+    x, t, per_token, first_n = cases.inputs(seq=5)
+    model(hidden_states=x, timestep=t, per_token=per_token, first_n=first_n, rope=(torch.ones(5, 4), torch.zeros(5, 4)))
+    assert len(seen) == 1 and seen[0][0] == 5 and seen[0][1] is x  # the caller's tensor, before any hook
+    assert state.call is None  # cleared when the call ends ...
+    with pytest.raises(Exception):
+        model(hidden_states=x, timestep=t, per_token=per_token[:, :2], first_n=first_n, rope=None)
+    assert state.call is None and seen[-1][0] == 5  # ... also when it raises
+    model.pos(3)
+    assert seen[-1] is None  # the RoPE module called outside a transformer call sees no context
+    fam.boost_transformer.unboost(model)
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    with pytest.raises(TypeError, match="call_context must be callable"):
+        ModelFamily("x", transformers=("X",), attention=cases.toy_family().attention, call_context=3)

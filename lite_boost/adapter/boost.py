@@ -9,6 +9,8 @@ knows a particular model. What ``boost_model(family, model, config)`` changes, o
 * the family's RoPE module gets an instance ``forward`` serving the cached fp32 tables (when the
   family's ``matches`` check says the cached tables reproduce the module's);
 * block-sparse attention (``config.sparse``) and diffusers' step-cache hooks (``config.cache``);
+* with a family ``call_context``: a forward pre-hook recording it as ``BoostState.call`` for the
+  duration of each call (a forward hook that always runs clears it again);
 * ``model._lite_boost`` holds the :class:`BoostState`.
 
 Weights, the module tree and ``state_dict`` are untouched, so ``.to()``, ``.eval()`` and
@@ -48,6 +50,10 @@ class BoostState:
     rope_range: Callable[[int], tuple[int, int]] | None = None
     extras: dict = field(default_factory=dict)  # per-feature state (sparse schedule, step cache, parallel plan)
     family: object = None  # the ModelFamily that boosted the model
+    # The family's call_context of the transformer call in progress (None outside a call); set by a
+    # forward pre-hook registered before every other lite_boost hook, so it sees the caller's arguments.
+    call: object = None
+    hooks: list = field(default_factory=list)  # handles of the hooks boost_model registered itself
 
     @property
     def self_attention_processors(self) -> list[LiteBoostProcessor]:
@@ -124,6 +130,8 @@ def boost_model(family, model, config: BoostConfig | None = None):
         state.original_processors[name] = module.processor
         state.processors[name] = proc
         module.set_processor(proc)
+    if family.call_context is not None:
+        _install_call_context(model, state, family.call_context)
     if family.rope is not None:
         rope = model.get_submodule(family.rope.module)
         if family.rope.matches is None or family.rope.matches(rope):
@@ -149,8 +157,24 @@ def unboost_model(model):
             del rope.forward
     uninstall_sparse(model, state)
     uninstall_cache(model, state)
+    for handle in state.hooks:
+        handle.remove()
+    state.hooks.clear()
+    state.call = None
     delattr(model, STATE_ATTR)
     return model
+
+
+def _install_call_context(model, state: BoostState, call_context) -> None:
+    """Record ``call_context(model, args, kwargs)`` as ``state.call`` while each forward runs."""
+    def enter(module, args, kwargs):
+        state.call = call_context(module, args, kwargs)
+
+    def leave(module, args, kwargs, output):
+        state.call = None
+
+    state.hooks.append(model.register_forward_pre_hook(enter, with_kwargs=True))
+    state.hooks.append(model.register_forward_hook(leave, with_kwargs=True, always_call=True))
 
 
 def pipeline_transformers(family, pipe) -> list[tuple[str, object]]:

@@ -86,6 +86,12 @@ class ModelFamily:
         None = the family has no block-sparse path.
     timestep_module: child module whose first argument is the timestep (where the compiled graph
         advances the sparse step tracker); None = the step is tracked from the transformer call only.
+    call_context: ``call_context(model, args, kwargs) -> object``: facts about one transformer call
+        read from its arguments before anything else runs (shape arithmetic, the caller's argument
+        tensors by reference: never large activations), kept as ``BoostState.call`` for the
+        duration of that call (None outside a call) for the family's RoPE shim and token grid, e.g.
+        the text length of a model whose RoPE module only sees the concatenated position ids
+        (Flux); None = the family needs none.
     sharding: where the sequence is split and gathered under sequence parallelism, or None.
     pipeline: the pipelines' transformer attributes, CFG plan and latent preparation.
     cache: the step-cache methods that fit (diffusers' hooks), or None.
@@ -103,6 +109,7 @@ class ModelFamily:
     rope: RopeSource | None = None
     token_grid: Callable[..., Any] | None = None
     timestep_module: str | None = None
+    call_context: Callable[..., Any] | None = None
     sharding: ShardingPlan | None = None
     pipeline: PipelinePlan = field(default_factory=PipelinePlan)
     cache: CacheAdapter | None = None
@@ -125,6 +132,8 @@ class ModelFamily:
         if (self.joint == "cross") == any(s.role == "joint" for s in self.attention):
             raise ValueError(f"family {self.name!r}: joint={self.joint!r} needs "
                              f"{'no' if self.joint == 'cross' else 'at least one'} attention site with role 'joint'")
+        if self.call_context is not None and not callable(self.call_context):
+            raise TypeError(f"family {self.name!r}: call_context must be callable, got {type(self.call_context).__name__}")
         unknown = sorted(set(self.unsupported) - set(FEATURES))
         if unknown:
             raise ValueError(f"family {self.name!r}: unknown feature(s) {unknown} in unsupported; features: {list(FEATURES)}")

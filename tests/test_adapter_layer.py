@@ -95,3 +95,22 @@ def test_call_context_is_recorded_for_the_call_in_progress_only():
     assert not model._forward_pre_hooks and not model._forward_hooks
     with pytest.raises(TypeError, match="call_context must be callable"):
         ModelFamily("x", transformers=("X",), attention=cases.toy_family().attention, call_context=3)
+
+
+def test_a_second_block_list_is_numbered_after_the_first():
+    """AttentionSite.layer_offset: two block lists (dual- then single-stream, as Flux) get distinct layer indices."""
+    sites = (AttentionSite("blocks.*.attn", LiteBoostProcessor, "self"),
+             AttentionSite("single.*.attn", LiteBoostProcessor, "self", layer_offset=lambda m: len(m.blocks)))
+    fam = ModelFamily("toy-two-lists", transformers=("ToyTransformer",), attention=sites)
+    model = cases.ToyTransformer()
+    model.single = torch.nn.ModuleList(cases.ToyBlock() for _ in range(3))
+    fam.boost_transformer(model)
+    procs = model._lite_boost.processors
+    assert [procs[f"blocks.{i}.attn"].layer_idx for i in range(2)] == [0, 1]
+    assert [procs[f"single.{i}.attn"].layer_idx for i in range(3)] == [2, 3, 4]
+    with pytest.raises(TypeError, match="layer_offset must be an int or a callable"):
+        AttentionSite("blocks.*.attn", LiteBoostProcessor, "self", layer_offset="2")
+    bad = ModelFamily("toy-bad", transformers=("ToyTransformer",),
+                      attention=(AttentionSite("blocks.*.attn", LiteBoostProcessor, "self", layer_offset=lambda m: -1),))
+    with pytest.raises(TypeError, match=r"layer_offset of attention site 'blocks.\*.attn' must give an int >= 0"):
+        bad.boost_transformer(cases.ToyTransformer())

@@ -77,10 +77,12 @@ def _site_pattern(path: str) -> re.Pattern:
 def match_sites(family, model) -> list[tuple[str, object, object, int]]:
     """(name, module, site, layer index) of every module matching an attention site, in module order.
 
-    The layer index is the number matched by the site path's first ``*`` (0 when it has none).
-    Raises TypeError when a site matches nothing or a matched module has no ``set_processor``.
+    The layer index is the number matched by the site path's first ``*`` (0 when it has none) plus
+    the site's ``layer_offset``. Raises TypeError when a site matches nothing or a matched module has
+    no ``set_processor``.
     """
     patterns = [(site, _site_pattern(site.path)) for site in family.attention]
+    offsets = {site.path: site.offset(model) for site in family.attention}
     found, seen = [], set()
     for name, module in model.named_modules():
         for site, pattern in patterns:
@@ -90,7 +92,7 @@ def match_sites(family, model) -> list[tuple[str, object, object, int]]:
             if not hasattr(module, "set_processor"):
                 raise TypeError(f"{name} ({type(module).__name__}) is not a diffusers attention module with "
                                 f"set_processor (attention site {site.path!r} of the {family.name} family)")
-            found.append((name, module, site, int(m.group(1)) if m.groups() else 0))
+            found.append((name, module, site, (int(m.group(1)) if m.groups() else 0) + offsets[site.path]))
             seen.add(site.path)
             break
     missing = [s.path for s in family.attention if s.path not in seen]

@@ -38,11 +38,16 @@ class AttentionSite:
         refiner or adapter attentions elsewhere in the model keep diffusers' processors.
     processor: ``processor(layer_idx, role, backend) -> LiteBoostProcessor`` (usually the class).
     role: "self" (sequence self-attention), "joint" (the same with a text stream) or "cross".
+    layer_offset: added to the matched index: an int, or ``layer_offset(model) -> int``. A model
+        with two block lists (Flux's dual- then single-stream blocks) numbers the second list after
+        the first (``lambda model: len(model.transformer_blocks)``), so every layer of the sequence
+        attention has its own index (per-layer sparse policies and masks).
     """
 
     path: str
     processor: Callable[..., Any]
     role: str = "self"
+    layer_offset: int | Callable[[Any], int] = 0
 
     def __post_init__(self):
         if not isinstance(self.path, str) or not self.path:
@@ -51,6 +56,16 @@ class AttentionSite:
             raise ValueError(f"AttentionSite.role must be one of {list(ROLES)}, got {self.role!r}")
         if not callable(self.processor):
             raise TypeError(f"AttentionSite.processor must be callable, got {type(self.processor).__name__}")
+        if isinstance(self.layer_offset, bool) or not (callable(self.layer_offset) or isinstance(self.layer_offset, int)):
+            raise TypeError(f"AttentionSite.layer_offset must be an int or a callable(model) -> int, got "
+                            f"{self.layer_offset!r}")
+
+    def offset(self, model) -> int:
+        """The layer offset of this site in ``model``."""
+        value = self.layer_offset(model) if callable(self.layer_offset) else self.layer_offset
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TypeError(f"layer_offset of attention site {self.path!r} must give an int >= 0, got {value!r}")
+        return value
 
 
 @dataclass(frozen=True)

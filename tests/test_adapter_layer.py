@@ -32,6 +32,16 @@ def test_batched_cfg_splits_the_batch_and_gathers_it(toy_results):
         assert r["seen"][0][0] == torch.Size([1, 7]), r["seen"]  # each cfg rank runs one branch of the batch
 
 
+def test_cfg_passes_told_apart_by_call_order_split_over_cfg_ranks(toy_results):
+    """CfgPlan(by_call_order=True): unnamed cond / uncond calls; 2 calls x 2 steps, half of them deferred."""
+    for rank, res in enumerate(toy_results):
+        r = res["order_cfg"]
+        assert r["ref_abs"] > 0.1 and r["maxdiff"] <= TOL, (rank, r)
+        assert r["cfg_calls"] == {"computed": 4, "deferred": 4}, (rank, r)  # two pipeline calls
+        r = res["order_no_cfg"]
+        assert r["maxdiff"] <= TOL and r["cfg_calls"] == {"computed": 4, "deferred": 0}, (rank, r)
+
+
 def test_family_description_is_validated():
     site = AttentionSite("blocks.*.attn", LiteBoostProcessor, "self")
     with pytest.raises(ValueError, match="role must be one of"):
@@ -48,6 +58,10 @@ def test_family_description_is_validated():
         CfgPlan(kind="sometimes")
     with pytest.raises(PlanError, match="needs a pipeline flag attribute, or encodes= and call_start="):
         CfgPlan(flag=None)
+    with pytest.raises(PlanError, match=r"by_call_order=True\) needs kind='separate' and call_start="):
+        CfgPlan(by_call_order=True)
+    with pytest.raises(PlanError, match=r"by_call_order=True\) needs kind='separate'"):
+        CfgPlan(kind="batched", batch_args=("x",), by_call_order=True, call_start="check_inputs")
     with pytest.raises(PlanError, match="text must be one of"):
         ShardingPlan((SplitInput("a", "x", 1),), (GatherOutput("b", 1),), text="half")
 

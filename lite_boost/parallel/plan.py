@@ -159,6 +159,10 @@ class CfgPlan:
         output, so the rank that defers a pass can return a placeholder of the right shape (needed
         when the pipeline takes a view of the output, e.g. slices the target tokens, before the
         exchange fills it); None = an empty placeholder resized at the exchange.
+    by_call_order: separate kind, for pipelines that name neither pass (no ``cache_context``, as
+        Flux's Img2Img / Inpaint / Kontext pipelines): while CFG runs, the transformer calls
+        alternate cond, uncond (cond first), counted from the start of each pipeline call
+        (``call_start``, which is then required).
     """
 
     flag: str | None = "do_classifier_free_guidance"
@@ -169,6 +173,7 @@ class CfgPlan:
     call_start: str | None = None
     batch_args: tuple[str, ...] = ()
     output_shape: Callable | None = None
+    by_call_order: bool = False
 
     def __post_init__(self):
         if self.kind not in CFG_KINDS:
@@ -177,6 +182,9 @@ class CfgPlan:
             raise PlanError("CfgPlan needs a pipeline flag attribute, or encodes= and call_start= method names")
         if self.kind == "batched" and not self.batch_args:
             raise PlanError("CfgPlan(kind='batched') needs batch_args (the forward arguments holding both branches)")
+        if self.by_call_order and (self.kind != "separate" or not self.call_start):
+            raise PlanError("CfgPlan(by_call_order=True) needs kind='separate' and call_start= (the pipeline method "
+                            "that starts every call, where the order is reset)")
 
 
 @dataclass(frozen=True)

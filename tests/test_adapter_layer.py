@@ -128,3 +128,32 @@ def test_a_second_block_list_is_numbered_after_the_first():
                       attention=(AttentionSite("blocks.*.attn", LiteBoostProcessor, "self", layer_offset=lambda m: -1),))
     with pytest.raises(TypeError, match=r"layer_offset of attention site 'blocks.\*.attn' must give an int >= 0"):
         bad.boost_transformer(cases.ToyTransformer())
+
+
+def test_cfg_degree_2_is_refused_for_a_pipeline_listed_without_cfg():
+    """PipelinePlan.without_cfg: a guidance-distilled pipeline of a family with CFG (Flux Control / Fill)."""
+    import dataclasses
+
+    from lite_boost.config import ConfigError
+    from lite_boost.parallel import ParallelManager
+    from lite_boost.registry import SUPPORTED_MODELS, _FAMILIES, register_family
+
+    class ToyDistilledPipeline(cases.ToyPipeline):
+        pass
+
+    base = cases.toy_family()
+    fam = dataclasses.replace(base, name="toy-distilled", pipelines=("ToyPipeline", "ToyDistilledPipeline"),
+                              pipeline=dataclasses.replace(base.pipeline, without_cfg=("ToyDistilledPipeline",)))
+    register_family(fam)
+    try:
+        assert fam.pipeline.cfg_for(cases.ToyPipeline(None)) is fam.pipeline.cfg
+        assert fam.pipeline.cfg_for(ToyDistilledPipeline(None)) is None
+        pipe = ToyDistilledPipeline(cases.ToyTransformer())
+        with pytest.raises(ConfigError, match=r"cfg_degree=2 needs a pipeline that runs classifier-free guidance; "
+                                              r"ToyDistilledPipeline is not one"):
+            ParallelManager(pipe, {"parallel": {"cfg_degree": 2}})
+        assert not hasattr(pipe.transformer, "_lite_boost")  # refused before anything was touched
+    finally:
+        for n in fam.transformers + fam.pipelines:
+            SUPPORTED_MODELS.pop(n, None)
+        _FAMILIES.pop(fam.name, None)

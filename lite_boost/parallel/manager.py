@@ -372,7 +372,7 @@ def parallelize(target, models, plans, pipeline_plan: PipelinePlan | None, confi
     """
     if mesh.world_size == 1:
         return target
-    cfg_plan = pipeline_plan.cfg if pipeline_plan is not None else None
+    cfg_plan = pipeline_plan.cfg_for(target) if pipeline_plan is not None else None
     active = _CfgActive(target, cfg_plan) if cfg_plan is not None else None
     for model, plan in zip(models, plans):
         state = _ModelParallel(mesh=mesh)

@@ -189,11 +189,23 @@ class CfgPlan:
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """A pipeline's parallel layout: which attributes hold transformers, CFG, latent preparation."""
+    """A pipeline's parallel layout: which attributes hold transformers, CFG, latent preparation.
+
+    without_cfg: class names of the family's pipelines that run no classifier-free guidance at all
+    (guidance-distilled variants such as Flux's Control / Fill pipelines): ``cfg`` does not apply
+    to them, so cfg degree 2 is refused for them (subclasses included).
+    """
 
     transformers: tuple[str, ...] = ("transformer",)
     cfg: CfgPlan | None = field(default_factory=CfgPlan)
     prepare_latents: str | None = "prepare_latents"
+    without_cfg: tuple[str, ...] = ()
+
+    def cfg_for(self, pipe) -> CfgPlan | None:
+        """The CFG plan that applies to ``pipe`` (None for a pipeline listed in ``without_cfg``)."""
+        if any(cls.__name__ in self.without_cfg for cls in type(pipe).__mro__):
+            return None
+        return self.cfg
 
 
 def _arg_index(module: torch.nn.Module, arg: str) -> int | None:

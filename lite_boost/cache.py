@@ -295,6 +295,9 @@ class CacheAdapter:
     probe_module: path of a child module that runs once per transformer call before the blocks
         (e.g. the patch embedding): a context-only diffusers hook there learns the current
         ``cache_context`` for methods that keep no per-context state (Pyramid Attention Broadcast).
+    refuse_pipelines: pipeline class name -> why no method applies to it (e.g. a pipeline that
+        calls the transformer without ``cache_context``, which diffusers' stateful hooks need);
+        subclasses included. A bare transformer is not refused.
     """
 
     methods: tuple[str, ...]
@@ -302,6 +305,7 @@ class CacheAdapter:
     check: Callable[[Any, str, dict], None] | None = None
     why_not: Mapping[str, str] = field(default_factory=dict)
     probe_module: str | None = None
+    refuse_pipelines: Mapping[str, str] = field(default_factory=dict)
 
 
 def check_not_cached(model) -> None:
@@ -336,6 +340,11 @@ def check_cache_support(target, cache_config, *, cfg_degree: int = 1) -> CacheAd
         raise _error(f"step caching was requested but {type(target).__name__} has no cache adapter; models with one: "
                      f"{with_cache}. Declare ModelFamily(cache=CacheAdapter(...)) in its adapter.")
     method = cache_config.method
+    refused = next((c.__name__ for c in type(target).__mro__ if c.__name__ in adapter.refuse_pipelines), None)
+    if refused is not None:
+        others = [p for p in getattr(family, "pipelines", ()) if p not in adapter.refuse_pipelines]
+        raise _error(f"step caching (cache method {method!r}) is not supported for {type(target).__name__} "
+                     f"({adapter.refuse_pipelines[refused]}); pipelines of its family with step caching: {others}")
     if method not in adapter.methods:
         why = adapter.why_not.get(method)
         raise _error(f"cache method {method!r} is not supported for {type(target).__name__}"

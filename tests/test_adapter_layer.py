@@ -157,3 +157,33 @@ def test_cfg_degree_2_is_refused_for_a_pipeline_listed_without_cfg():
         for n in fam.transformers + fam.pipelines:
             SUPPORTED_MODELS.pop(n, None)
         _FAMILIES.pop(fam.name, None)
+
+
+def test_step_caching_is_refused_for_a_pipeline_the_cache_adapter_names():
+    """CacheAdapter.refuse_pipelines: e.g. a pipeline calling the transformer without cache_context."""
+    import dataclasses
+
+    from lite_boost.cache import CacheAdapter, check_cache_support
+    from lite_boost.config import CacheConfig
+    from lite_boost.config import ConfigError
+    from lite_boost.registry import SUPPORTED_MODELS, _FAMILIES, register_family
+
+    class ToyNoContextPipeline(cases.ToyPipeline):
+        pass
+
+    adapter = CacheAdapter(methods=("first_block_cache",), refuse_pipelines={"ToyNoContextPipeline": "no cache_context"})
+    fam = dataclasses.replace(cases.toy_family(), name="toy-cache", pipelines=("ToyPipeline", "ToyNoContextPipeline"),
+                              cache=adapter)
+    register_family(fam)
+    try:
+        cfg = CacheConfig("first_block_cache")
+        with pytest.raises(ConfigError, match=r"step caching \(cache method 'first_block_cache'\) is not supported for "
+                                              r"ToyNoContextPipeline \(no cache_context\); pipelines of its family "
+                                              r"with step caching: \['ToyPipeline'\]"):
+            check_cache_support(ToyNoContextPipeline(cases.ToyTransformer()), cfg)
+        assert check_cache_support(cases.ToyPipeline(cases.ToyTransformer()), cfg) is adapter
+        assert check_cache_support(cases.ToyTransformer(), cfg) is adapter  # a bare transformer is not refused
+    finally:
+        for n in fam.transformers + fam.pipelines:
+            SUPPORTED_MODELS.pop(n, None)
+        _FAMILIES.pop(fam.name, None)

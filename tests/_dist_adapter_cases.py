@@ -26,7 +26,9 @@ class ToyAttention(nn.Module):
         self.qkv = nn.Linear(H * D, 3 * H * D)
         self.processor = None
 
-    def set_processor(self, processor):
+    def set_processor(self, processor):  # as diffusers': a module processor leaves the module tree when replaced
+        if isinstance(self._modules.get("processor"), nn.Module) and not isinstance(processor, nn.Module):
+            self._modules.pop("processor")
         self.processor = processor
 
     def forward(self, x, freqs, rope):

@@ -187,3 +187,18 @@ def test_step_caching_is_refused_for_a_pipeline_the_cache_adapter_names():
         for n in fam.transformers + fam.pipelines:
             SUPPORTED_MODELS.pop(n, None)
         _FAMILIES.pop(fam.name, None)
+
+
+def test_a_processor_with_weights_of_its_own_is_refused_before_anything_is_touched():
+    """An IP-Adapter-style processor (an nn.Module holding projections) would lose its weights to the shim."""
+    fam = cases.toy_family()
+    model = cases.ToyTransformer()
+    model.blocks[1].attn.processor = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"blocks.1.attn of ToyTransformer has a Linear processor with weights of its "
+                                        r"own \(an IP-Adapter\?\).*unload it"):
+        fam.boost_transformer(model)
+    assert not hasattr(model, "_lite_boost") and model.blocks[0].attn.processor is None
+    model.blocks[1].attn.processor = torch.nn.Identity()  # a module without weights is fine
+    fam.boost_transformer(model)
+    fam.boost_transformer(model, {"attention_backend": "sdpa"})  # re-boost: the original processors are checked
+    assert isinstance(model._lite_boost.original_processors["blocks.1.attn"], torch.nn.Identity)

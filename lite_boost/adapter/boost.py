@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from ..config import BoostConfig
 from ..ops.rope import RopeCache
 from .cache import install_cache, uninstall_cache
@@ -103,8 +105,20 @@ def match_sites(family, model) -> list[tuple[str, object, object, int]]:
 
 
 def check_model(family, model) -> list:
-    """Raise TypeError unless ``model`` has the family's attention sites and RoPE module; returns the sites."""
+    """Raise TypeError unless ``model`` has the family's attention sites and RoPE module; returns the sites.
+
+    An attention processor that holds weights of its own (an IP-Adapter processor is an ``nn.Module``
+    with its key / value projections) is refused: the shim would drop those weights from the module
+    tree and the adapter's effect with them.
+    """
     sites = match_sites(family, model)
+    state = getattr(model, STATE_ATTR, None)
+    for name, module, _, _ in sites:
+        proc = state.original_processors.get(name) if state is not None else module.processor
+        if isinstance(proc, torch.nn.Module) and any(True for _ in proc.parameters()):
+            raise TypeError(f"{name} of {type(model).__name__} has a {type(proc).__name__} processor with weights of its "
+                            f"own (an IP-Adapter?); lite_boost's {family.name} processors do not reproduce it: unload "
+                            "it (e.g. pipe.unload_ip_adapter()) before boosting")
     if family.rope is not None:
         try:
             model.get_submodule(family.rope.module)

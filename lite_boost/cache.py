@@ -298,6 +298,9 @@ class CacheAdapter:
     refuse_pipelines: pipeline class name -> why no method applies to it (e.g. a pipeline that
         calls the transformer without ``cache_context``, which diffusers' stateful hooks need);
         subclasses included. A bare transformer is not refused.
+    timestep_scale: the pipeline's timestep is the transformer's ``timestep`` argument times this
+        (Flux pipelines pass t / 1000: 1000); the current timestep Pyramid Attention Broadcast
+        compares with its timestep ranges is on the pipeline's scale, as with diffusers alone.
     """
 
     methods: tuple[str, ...]
@@ -306,6 +309,7 @@ class CacheAdapter:
     why_not: Mapping[str, str] = field(default_factory=dict)
     probe_module: str | None = None
     refuse_pipelines: Mapping[str, str] = field(default_factory=dict)
+    timestep_scale: float = 1.0
 
 
 def check_not_cached(model) -> None:
@@ -531,9 +535,10 @@ class CacheRuntime:
     * ``current_timestep()`` for Pyramid Attention Broadcast.
     """
 
-    def __init__(self, model, method: str, probe_module=None):
+    def __init__(self, model, method: str, probe_module=None, timestep_scale: float = 1.0):
         self.model = model
         self.method = method
+        self.timestep_scale = float(timestep_scale)  # transformer timestep argument -> the pipeline's timestep
         # a child module where a context-only diffusers hook learns the current cache_context (some
         # methods, e.g. Pyramid Attention Broadcast, keep no per-context state to read it from)
         self.probe_module = probe_module
@@ -602,7 +607,7 @@ class CacheRuntime:
         t = kwargs.get("timestep", args[1] if len(args) > 1 else None)
         if isinstance(t, torch.Tensor):
             t = float(t.detach().max()) if t.numel() else 0.0
-        self.timestep = None if t is None else float(t)
+        self.timestep = None if t is None else float(t) * self.timestep_scale
         ctx = self._context()
         key = None if ctx is None else ctx.name
         step = None if ctx is None else ctx.step_index

@@ -97,7 +97,10 @@ class FluxAttnProcessor(LiteBoostProcessor):
         if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:  # dual-stream block
             txt_q, txt_k, txt_v = heads(txt_q), heads(txt_k), heads(txt_v)
             txt_q, txt_k = attn.norm_added_q(txt_q), attn.norm_added_k(txt_k)
-            self._rotate(q, k, txt_q, txt_k, image_rotary_emb)
+            if image_rotary_emb is not None:
+                txt_emb, img_emb = _split_tables(image_rotary_emb, txt_q.shape[1])
+                q, k = rotate_qk(q, k, img_emb)
+                txt_q, txt_k = rotate_qk(txt_q, txt_k, txt_emb)
             img_out, txt_out = self.attn_fn(q, k, v, joint=JointTokens(txt_q, txt_k, txt_v, None, True))
             img_out = attn.to_out[0](img_out.flatten(2, 3).to(q.dtype).contiguous())
             img_out = attn.to_out[1](img_out)
@@ -113,34 +116,31 @@ class FluxAttnProcessor(LiteBoostProcessor):
                 q, k = rotate_qk(q, k, _phasors(image_rotary_emb))
             return self.attn_fn(q, k, v).flatten(2, 3).to(q.dtype)
         t = image_rotary_emb.text.freqs.shape[1]
-        rotate_qk(q[:, :t], k[:, :t], image_rotary_emb.text)
-        rotate_qk(q[:, t:], k[:, t:], image_rotary_emb.image)
+        txt_q, txt_k = rotate_qk(q[:, :t], k[:, :t], image_rotary_emb.text)
+        img_q, img_k = rotate_qk(q[:, t:], k[:, t:], image_rotary_emb.image)
         if type(self.attn_fn) is DenseAttention:
             # dense, one process: the joint attention over [text, image] is self-attention over the rows
-            # as they are (no copies into two streams and back)
+            # as they are. Eagerly the rotation wrote q and k in place (no copies into two streams and
+            # back); traced it is functional and the rows are put together again (fused by inductor).
+            if torch.compiler.is_compiling():
+                q, k = torch.cat([txt_q, img_q], dim=1), torch.cat([txt_k, img_k], dim=1)
             return self.attn_fn(q, k, v).flatten(2, 3).to(q.dtype)
-        img_out, txt_out = self.attn_fn(q[:, t:], k[:, t:], v[:, t:],
-                                        joint=JointTokens(q[:, :t], k[:, :t], v[:, :t], None, True))
+        img_out, txt_out = self.attn_fn(img_q, img_k, v[:, t:], joint=JointTokens(txt_q, txt_k, v[:, :t], None, True))
         return torch.cat([txt_out.to(q.dtype), img_out.to(q.dtype)], dim=1).flatten(2, 3)
-
-    @staticmethod
-    def _rotate(q, k, txt_q, txt_k, emb) -> None:
-        if emb is None:
-            return
-        if isinstance(emb, FluxRope):
-            rotate_qk(q, k, emb.image)
-            rotate_qk(txt_q, txt_k, emb.text)
-            return
-        freqs = _phasors(emb)  # diffusers' tables of the whole [text, image] sequence
-        t = txt_q.shape[1]
-        rotate_qk(txt_q, txt_k, freqs[:, :t])
-        rotate_qk(q, k, freqs[:, t:])
 
 
 def _phasors(emb) -> torch.Tensor:
-    """complex64 (1, S, 1, D/2) phasors of diffusers' interleaved (cos, sin) tables."""
+    """complex64 (S, D/2) table of diffusers' interleaved (cos, sin) tables."""
     cos, sin = emb
-    return phasors_from_cos_sin(cos, sin).freqs
+    return torch.complex(cos[:, 0::2].float(), sin[:, 1::2].float())
+
+
+def _split_tables(emb, text_len: int):
+    """(text, image) tables of a :class:`FluxRope` or of diffusers' tables of the whole [text, image] sequence."""
+    if isinstance(emb, FluxRope):
+        return emb.text, emb.image
+    freqs = _phasors(emb)
+    return freqs[:text_len], freqs[text_len:]
 
 
 class _TensorKeys:
@@ -289,19 +289,26 @@ FLUX_PIPELINE_PLAN = PipelinePlan(
     without_cfg=("FluxControlPipeline", "FluxControlImg2ImgPipeline", "FluxControlInpaintPipeline", "FluxFillPipeline"),
 )
 
+_PIPELINES = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxKontextPipeline",
+              "FluxKontextInpaintPipeline", "FluxControlPipeline", "FluxControlImg2ImgPipeline",
+              "FluxControlInpaintPipeline", "FluxFillPipeline")
+
+# Pyramid Attention Broadcast keeps one attention cache for the cond and uncond passes, as stock
+# diffusers does (Flux's two passes have one text length, so it runs; refused with cfg_degree 2).
 FLUX_CACHE_ADAPTER = CacheAdapter(
-    methods=("first_block_cache", "mag_cache", "taylorseer_cache"),
+    methods=("first_block_cache", "mag_cache", "taylorseer_cache", "pyramid_attention_broadcast"),
     why_not={"faster_cache": "it needs cond and uncond batched into one transformer call; Flux calls them separately",
              "sea_cache": "diffusers' SeaCache derives its indicator for Wan text-to-video and Cosmos only"},
     probe_module="x_embedder",
+    timestep_scale=1000.0,  # the pipelines pass timestep / 1000
+    refuse_pipelines={p: "it calls the transformer without cache_context, which diffusers' cache hooks need to keep "
+                         "the passes apart (stock diffusers fails there too)" for p in _PIPELINES if p != "FluxPipeline"},
 )
 
 FLUX = register_family(ModelFamily(
     name="flux",
     transformers=("FluxTransformer2DModel",),
-    pipelines=("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxKontextPipeline",
-               "FluxKontextInpaintPipeline", "FluxControlPipeline", "FluxControlImg2ImgPipeline",
-               "FluxControlInpaintPipeline", "FluxFillPipeline"),
+    pipelines=_PIPELINES,
     attention=(AttentionSite("transformer_blocks.*.attn", FluxAttnProcessor, role="joint"),
                AttentionSite("single_transformer_blocks.*.attn", FluxAttnProcessor, role="joint",
                              layer_offset=lambda model: len(model.transformer_blocks))),

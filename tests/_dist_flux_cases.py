@@ -28,6 +28,7 @@ CASES = {
     "kontext_h3": ("kontext", 3, (12, 20), 1, None, {}),
     "control_h3": ("control", 3, (12, 20), 1, None, {}),
     "model_random_txt_ids_h3": ("model", 3, (3, 5), 1, None, {}),  # text rotated by its own ids
+    "model_controlnet_h3": ("model", 3, (3, 5), 1, None, {"controlnet": True}),  # residuals sharded with the tokens
     "t2i_sparse0_h3": ("t2i", 3, (32, 64), 1, 0.0, {}),
     "t2i_sparse075_h3": ("t2i", 3, (32, 64), 1, 0.75, {}),
     "t2i_cfg2_h3": ("t2i", 3, (12, 20), 2, None, {}),
@@ -49,14 +50,23 @@ def _spec(heads, extra):
     return tf.TinyFluxSpec(heads=heads, guidance_embeds=extra.get("guidance", False))
 
 
-def _run_model(spec, config, mesh, hooks):
-    """The bare transformer (diffusers' model-test layout: random text ids) under ParallelManager vs stock."""
+def _run_model(spec, config, mesh, hooks, controlnet=False):
+    """The bare transformer (diffusers' model-test layout: random text ids) under ParallelManager vs stock.
+
+    controlnet: ControlNet residuals for every dual block (Xlabs-style repeat) and for the single blocks.
+    """
     import torch
 
     import _tiny_flux as tf
     from lite_boost.parallel import ParallelManager
 
     inputs = tf.transformer_inputs(spec, grid=(3, 5), text=7, text_ids="random")
+    if controlnet:
+        g = torch.Generator().manual_seed(5)
+        width = spec.heads * spec.head_dim
+        inputs["controlnet_block_samples"] = [torch.randn(1, 15, width, generator=g)]
+        inputs["controlnet_single_block_samples"] = [torch.randn(1, 15, width, generator=g) for _ in range(2)]
+        inputs["controlnet_blocks_repeat"] = True
     with torch.no_grad():
         ref = tf.transformer(spec)(**inputs).sample
         model = tf.transformer(spec)
@@ -95,7 +105,7 @@ def run_cases(rank, world_size, init_method, names):
         stats = mesh.sequence.enable_stats()
         stats.reset()
         if kind == "model":
-            model, got, ref = _run_model(spec, config, mesh, hooks)
+            model, got, ref = _run_model(spec, config, mesh, hooks, controlnet=extra.get("controlnet", False))
             target = model
         else:
             call_extra = {k: v for k, v in extra.items() if k != "guidance"}

@@ -202,3 +202,23 @@ def test_a_processor_with_weights_of_its_own_is_refused_before_anything_is_touch
     fam.boost_transformer(model)
     fam.boost_transformer(model, {"attention_backend": "sdpa"})  # re-boost: the original processors are checked
     assert isinstance(model._lite_boost.original_processors["blocks.1.attn"], torch.nn.Identity)
+
+
+def test_call_args_rewrite_the_call_before_anything_else_sees_it():
+    """ModelFamily.call_args: a pure rewrite of the transformer call's arguments (here: a keyword the
+    blocks receive), before call_context records the call; gone on unboost."""
+    seen = []
+    fam = ModelFamily("toy-args", transformers=("ToyTransformer",), attention=cases.toy_family().attention,
+                      call_args=lambda model, args, kwargs: (args, {**kwargs, "first_n": kwargs["hidden_states"].shape[1]}),
+                      call_context=lambda model, args, kwargs: kwargs["first_n"])
+    model = fam.boost_transformer(cases.ToyTransformer())
+    hook = model.blocks[0].register_forward_pre_hook(lambda m, a, kw: seen.append(kw["first_n"]), with_kwargs=True)
+    x, t, per_token, _ = cases.inputs(seq=5)
+    ctx = []
+    model.pos.register_forward_pre_hook(lambda m, a: ctx.append(model._lite_boost.call))
+    with torch.no_grad():
+        model(hidden_states=x, timestep=t, per_token=per_token, first_n=0, rope=(torch.ones(5, 4), torch.zeros(5, 4)))
+    assert seen == [5] and ctx == [5]
+    hook.remove()
+    fam.boost_transformer.unboost(model)
+    assert not model._forward_pre_hooks and not model._forward_hooks

@@ -9,8 +9,9 @@ knows a particular model. What ``boost_model(family, model, config)`` changes, o
 * the family's RoPE module gets an instance ``forward`` serving the cached fp32 tables (when the
   family's ``matches`` check says the cached tables reproduce the module's);
 * block-sparse attention (``config.sparse``) and diffusers' step-cache hooks (``config.cache``);
-* with a family ``call_context``: a forward pre-hook recording it as ``BoostState.call`` for the
-  duration of each call (a forward hook that always runs clears it again);
+* with a family ``call_args`` / ``call_context``: a forward pre-hook rewriting the call's arguments
+  and recording the context as ``BoostState.call`` for the duration of each call (a forward hook
+  that always runs clears it again);
 * ``model._lite_boost`` holds the :class:`BoostState`.
 
 Weights, the module tree and ``state_dict`` are untouched, so ``.to()``, ``.eval()`` and
@@ -146,8 +147,8 @@ def boost_model(family, model, config: BoostConfig | None = None):
         state.original_processors[name] = module.processor
         state.processors[name] = proc
         module.set_processor(proc)
-    if family.call_context is not None:
-        _install_call_context(model, state, family.call_context)
+    if family.call_context is not None or family.call_args is not None:
+        _install_call_hooks(model, state, family.call_args, family.call_context)
     if family.rope is not None:
         rope = model.get_submodule(family.rope.module)
         if family.rope.matches is None or family.rope.matches(rope):
@@ -181,10 +182,14 @@ def unboost_model(model):
     return model
 
 
-def _install_call_context(model, state: BoostState, call_context) -> None:
-    """Record ``call_context(model, args, kwargs)`` as ``state.call`` while each forward runs."""
+def _install_call_hooks(model, state: BoostState, call_args, call_context) -> None:
+    """Rewrite each call's arguments (``call_args``) and record ``call_context`` as ``state.call`` while it runs."""
     def enter(module, args, kwargs):
-        state.call = call_context(module, args, kwargs)
+        new = call_args(module, args, kwargs) if call_args is not None else None
+        if new is not None:
+            args, kwargs = new
+        state.call = call_context(module, args, kwargs) if call_context is not None else None
+        return new
 
     def leave(module, args, kwargs, output):
         state.call = None

@@ -107,6 +107,11 @@ class ModelFamily:
         duration of that call (None outside a call) for the family's RoPE shim and token grid, e.g.
         the text length of a model whose RoPE module only sees the concatenated position ids
         (Flux); None = the family needs none.
+    call_args: ``call_args(model, args, kwargs) -> (args, kwargs) | None``: rewrites the arguments
+        of every transformer call before anything else runs (a pure function of them, e.g. shape
+        arithmetic; None keeps them), e.g. Flux.2 hands its single-stream processors the text
+        length through ``joint_attention_kwargs`` as diffusers' own KV path does. Runs before
+        ``call_context``; None = the family needs none.
     sharding: where the sequence is split and gathered under sequence parallelism, or None.
     pipeline: the pipelines' transformer attributes, CFG plan and latent preparation.
     cache: the step-cache methods that fit (diffusers' hooks), or None.
@@ -125,6 +130,7 @@ class ModelFamily:
     token_grid: Callable[..., Any] | None = None
     timestep_module: str | None = None
     call_context: Callable[..., Any] | None = None
+    call_args: Callable[..., Any] | None = None
     sharding: ShardingPlan | None = None
     pipeline: PipelinePlan = field(default_factory=PipelinePlan)
     cache: CacheAdapter | None = None
@@ -147,8 +153,10 @@ class ModelFamily:
         if (self.joint == "cross") == any(s.role == "joint" for s in self.attention):
             raise ValueError(f"family {self.name!r}: joint={self.joint!r} needs "
                              f"{'no' if self.joint == 'cross' else 'at least one'} attention site with role 'joint'")
-        if self.call_context is not None and not callable(self.call_context):
-            raise TypeError(f"family {self.name!r}: call_context must be callable, got {type(self.call_context).__name__}")
+        for what in ("call_context", "call_args"):
+            fn = getattr(self, what)
+            if fn is not None and not callable(fn):
+                raise TypeError(f"family {self.name!r}: {what} must be callable, got {type(fn).__name__}")
         unknown = sorted(set(self.unsupported) - set(FEATURES))
         if unknown:
             raise ValueError(f"family {self.name!r}: unknown feature(s) {unknown} in unsupported; features: {list(FEATURES)}")

@@ -141,7 +141,8 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
     pplan, models, plans = _layout(target, fn, family, seq_degree)
     if family is not None:
         family.check_config(config)
-    if cfg_degree > 1 and (pplan is None or pplan.cfg is None or pplan.cfg.kind == "none"):
+    cfg_plan = pplan.cfg_for(target) if pplan is not None else None
+    if cfg_degree > 1 and (cfg_plan is None or cfg_plan.kind == "none"):
         raise ConfigError(
             f"cfg_degree={cfg_degree} needs a pipeline that runs classifier-free guidance; "
             f"{type(target).__name__} is not one. Valid cfg_degree here: [1]"

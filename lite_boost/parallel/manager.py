@@ -80,12 +80,14 @@ class _CfgActive:
     Without a flag attribute (the pipeline keeps the decision in a local variable), the pipeline's
     ``call_start`` method (called once at the start of every pipeline call) resets a counter and its
     ``encodes`` method (once per prompt) counts: two encodes = prompt and negative prompt = CFG.
+    ``on_start`` callbacks also run at ``call_start`` (the pass order of ``CfgPlan.by_call_order``).
     """
 
     def __init__(self, pipe, plan):
         self.pipe = pipe
         self.plan = plan
         self.encodes = 0
+        self.on_start: list = []
 
     def __call__(self) -> bool:
         if self.plan.flag is not None:
@@ -94,9 +96,10 @@ class _CfgActive:
 
     def install(self, patched: list) -> None:
         """Wrap the pipeline's ``call_start`` / ``encodes`` methods on the instance (names into ``patched``)."""
-        if self.plan.flag is not None:
-            return
-        for name, action in ((self.plan.call_start, self._reset), (self.plan.encodes, self._count)):
+        wrap = [] if self.plan.flag is not None else [(self.plan.encodes, self._count)]
+        if self.plan.flag is None or self.plan.by_call_order:
+            wrap.insert(0, (self.plan.call_start, self._reset))
+        for name, action in wrap:
             inner = getattr(self.pipe, name)
 
             def wrapper(*args, _inner=inner, _action=action, **kwargs):
@@ -108,6 +111,8 @@ class _CfgActive:
 
     def _reset(self):
         self.encodes = 0
+        for fn in self.on_start:
+            fn()
 
     def _count(self):
         self.encodes += 1
@@ -125,9 +130,20 @@ class _CfgForward:
         self.context: str | None = None
         self.pending: torch.Tensor | None = None  # cond result (rank 0) or placeholder (rank 1)
         self.calls = {"computed": 0, "deferred": 0}
+        self.order = 0  # CfgPlan.by_call_order: CFG calls seen since the pipeline call started
 
-    def _active(self) -> bool:
-        return self.context in (self.plan.cond, self.plan.uncond) and self.active()
+    def reset_order(self) -> None:
+        self.order = 0
+        self.pending = None
+
+    def _pass(self) -> str | None:
+        """The CFG pass this call computes (``plan.cond`` / ``plan.uncond``), or None (no CFG split)."""
+        if not self.active():
+            return None
+        if self.plan.by_call_order:
+            self.order += 1
+            return self.plan.cond if self.order % 2 else self.plan.uncond
+        return self.context if self.context in (self.plan.cond, self.plan.uncond) else None
 
     def _placeholder(self, args, kwargs) -> torch.Tensor:
         hs = kwargs.get("hidden_states", args[0] if args else None)
@@ -137,11 +153,12 @@ class _CfgForward:
         return torch.empty(shape, dtype=dtype, device=device)
 
     def __call__(self, *args, **kwargs):
-        if not self._active():
+        which = self._pass()
+        if which is None:
             self.calls["computed"] += 1
             return self.inner(*args, **kwargs)
         mine = self.mesh.cfg.rank  # 0 owns cond, 1 owns uncond
-        if self.context == self.plan.cond:
+        if which == self.plan.cond:
             if mine == 0:
                 self.calls["computed"] += 1
                 out = self.inner(*args, **kwargs)
@@ -368,7 +385,7 @@ def parallelize(target, models, plans, pipeline_plan: PipelinePlan | None, confi
     """
     if mesh.world_size == 1:
         return target
-    cfg_plan = pipeline_plan.cfg if pipeline_plan is not None else None
+    cfg_plan = pipeline_plan.cfg_for(target) if pipeline_plan is not None else None
     active = _CfgActive(target, cfg_plan) if cfg_plan is not None else None
     for model, plan in zip(models, plans):
         state = _ModelParallel(mesh=mesh)
@@ -388,6 +405,8 @@ def parallelize(target, models, plans, pipeline_plan: PipelinePlan | None, confi
         if mesh.cfg_degree > 1:
             cls = _BatchedCfgForward if cfg_plan.kind == "batched" else _CfgForward
             cfg = cls(model, active, cfg_plan, mesh)
+            if cfg_plan.by_call_order:
+                active.on_start.append(cfg.reset_order)
             for name in ("forward", "cache_context"):
                 if name in model.__dict__:  # e.g. a diffusers cache hook's forward: put it back on removal
                     state.priors[name] = model.__dict__[name]

@@ -159,6 +159,10 @@ class CfgPlan:
         output, so the rank that defers a pass can return a placeholder of the right shape (needed
         when the pipeline takes a view of the output, e.g. slices the target tokens, before the
         exchange fills it); None = an empty placeholder resized at the exchange.
+    by_call_order: separate kind, for pipelines that name neither pass (no ``cache_context``, as
+        Flux's Img2Img / Inpaint / Kontext pipelines): while CFG runs, the transformer calls
+        alternate cond, uncond (cond first), counted from the start of each pipeline call
+        (``call_start``, which is then required).
     """
 
     flag: str | None = "do_classifier_free_guidance"
@@ -169,6 +173,7 @@ class CfgPlan:
     call_start: str | None = None
     batch_args: tuple[str, ...] = ()
     output_shape: Callable | None = None
+    by_call_order: bool = False
 
     def __post_init__(self):
         if self.kind not in CFG_KINDS:
@@ -177,15 +182,30 @@ class CfgPlan:
             raise PlanError("CfgPlan needs a pipeline flag attribute, or encodes= and call_start= method names")
         if self.kind == "batched" and not self.batch_args:
             raise PlanError("CfgPlan(kind='batched') needs batch_args (the forward arguments holding both branches)")
+        if self.by_call_order and (self.kind != "separate" or not self.call_start):
+            raise PlanError("CfgPlan(by_call_order=True) needs kind='separate' and call_start= (the pipeline method "
+                            "that starts every call, where the order is reset)")
 
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """A pipeline's parallel layout: which attributes hold transformers, CFG, latent preparation."""
+    """A pipeline's parallel layout: which attributes hold transformers, CFG, latent preparation.
+
+    without_cfg: class names of the family's pipelines that run no classifier-free guidance at all
+    (guidance-distilled variants such as Flux's Control / Fill pipelines): ``cfg`` does not apply
+    to them, so cfg degree 2 is refused for them (subclasses included).
+    """
 
     transformers: tuple[str, ...] = ("transformer",)
     cfg: CfgPlan | None = field(default_factory=CfgPlan)
     prepare_latents: str | None = "prepare_latents"
+    without_cfg: tuple[str, ...] = ()
+
+    def cfg_for(self, pipe) -> CfgPlan | None:
+        """The CFG plan that applies to ``pipe`` (None for a pipeline listed in ``without_cfg``)."""
+        if any(cls.__name__ in self.without_cfg for cls in type(pipe).__mro__):
+            return None
+        return self.cfg
 
 
 def _arg_index(module: torch.nn.Module, arg: str) -> int | None:

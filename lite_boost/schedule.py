@@ -45,9 +45,14 @@ class SparseSchedule:
         return computed_at is not None and 0 <= step - computed_at < self.config.mask_reuse_steps
 
 
-def _first_timestep(timestep) -> float:
+def _step_timestep(timestep) -> float:
+    """The call's noise level: the largest timestep of a per-sample or per-token timestep tensor.
+
+    Per-token timesteps (image-to-video pipelines: the conditioning tokens sit at timestep 0 at every
+    step) would make the first element a constant; the largest one follows the schedule.
+    """
     if isinstance(timestep, torch.Tensor):
-        return float(timestep.detach().flatten()[0]) if timestep.numel() else 0.0
+        return float(timestep.detach().max()) if timestep.numel() else 0.0
     return float(timestep)
 
 
@@ -79,7 +84,7 @@ class StepTracker:
         return getattr(pipe, "scheduler", None) if pipe is not None else None
 
     def observe(self, timestep) -> None:
-        t = _first_timestep(timestep)
+        t = _step_timestep(timestep)
         restart = self._last_t is None or t > self._last_t
         sched = self._scheduler()
         if sched is not None:

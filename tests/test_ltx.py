@@ -329,3 +329,15 @@ def test_lite_boost_models_lists_the_family(capsys):
     row = next(line for line in out.splitlines() if line.startswith("| ltx |"))
     assert "LTXImageToVideoPipeline" in row and "| cross | batched |" in row
     assert row.count("| yes") == 7 and row.count("| no") == 1  # parallel_vae: no
+
+
+def test_batched_cfg_parallel_refuses_a_cache_that_decides_from_the_batch():
+    """First-Block Cache's statistic spans the whole B = 2 batch; under cfg_degree 2 each cfg rank holds
+    half of it. Refused before any collective; the fixed-schedule methods are offered."""
+    from lite_boost.parallel import ParallelManager
+
+    pipe = tl.tiny_ltx_pipeline("t2v")
+    with pytest.raises(ConfigError, match=r"'first_block_cache' decides from the activations of the whole batch.*"
+                                          r"use one of \['mag_cache', 'taylorseer_cache'\]"):
+        ParallelManager(pipe, {"parallel": {"cfg_degree": 2}, "cache": "first_block_cache"})
+    assert not lite_boost.api.is_boosted(pipe)

@@ -287,7 +287,7 @@ def test_explain_reports_no_graph_break(kind, _fresh_dynamo):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["dense", "sparse"])
+@pytest.mark.parametrize("kind", ["sparse"])  # dense: test_ltx_diffusers_model.py::test_torch_compile_repeated_blocks
 def test_compile_repeated_blocks_fullgraph_matches_eager(kind, _fresh_dynamo):
     """diffusers' regional compile recipe with inductor on a boosted transformer, two steps."""
     model = tl.tiny_ltx_transformer()

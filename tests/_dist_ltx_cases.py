@@ -27,6 +27,8 @@ CASES = {
     "i2v_h3": ("i2v", 3, SMALL, 1, {}, {}),  # per-token timesteps, sharded with the tokens
     "condition_h3": ("condition", 3, SMALL, 1, {}, {}),  # video_coords RoPE rows
     "condition_prefix_h3": ("condition", 3, SMALL, 1, {}, {"frame_index": 8}),  # 15 condition tokens in front
+    "condition_none_h3": ("condition", 3, SMALL, 1, {}, {"frame_index": None}),  # (B, 1) timesteps: broadcast
+    "t2v_decoded_h3": ("t2v", 3, SMALL, 1, {}, {"output_type": "pt", "steps": 1}),  # each rank decodes whole
     "t2v_diffusers_rope_h3": ("t2v", 3, SMALL, 1, {}, {}),  # diffusers' own RoPE tables, split by the plan
     "t2v_sparse0_h3": ("t2v", 3, SPARSE, 1, {"sparse": {**_SPARSE, "sparsity": 0.0}}, {}),
     "t2v_sparse075_h3": ("t2v", 3, SPARSE, 1, {"sparse": {**_SPARSE, "sparsity": 0.75}}, {}),
@@ -45,7 +47,7 @@ CASES = {
 def tokens(kind, hwf, extra):
     h, w, f = hwf
     n = ((f - 1) // 8 + 1) * (h // 32) * (w // 32)
-    if kind == "condition" and extra.get("frame_index", 0) > 0:
+    if kind == "condition" and (extra.get("frame_index", 0) or 0) > 0:
         n += (h // 32) * (w // 32)  # one latent frame of condition tokens
     return n
 
@@ -110,4 +112,11 @@ def run_cases(rank, world_size, init_method, names):
             "sequence_degree": mesh.sequence_degree,
         }
         unparallelize(pipe)
+    # no parallel-VAE adapter: an explicit mode is refused on every rank before any collective
+    from lite_boost.parallel.vae import UnsupportedVAEError
+
+    try:
+        ParallelManager(tl.tiny_ltx_pipeline("t2v"), {"parallel": {"vae_parallel": "exact"}}, mesh=next(iter(meshes.values())))
+    except (UnsupportedVAEError, ValueError, TypeError) as exc:
+        out["vae_exact_refused"] = f"{type(exc).__name__}: {exc}"
     return out

@@ -90,7 +90,8 @@ def call_kwargs(kind: str, *, height=96, width=160, frames=9, steps=2, seed=0, t
 
     96 x 160 x 9 pixels = 2 x 3 x 5 latent tokens. ``valid``: real text tokens per sample (default:
     the prompt 5 of ``text``, the negative prompt 3: both padded). ``frame_index`` (condition
-    pipeline): where the condition image goes; > 0 prepends its tokens to the video tokens.
+    pipeline): where the condition image goes; > 0 prepends its tokens to the video tokens; None: no
+    condition image.
     """
     valid = valid or [5] * batch
     pe, pm = prompt_embeds(text, batch=batch, dim=dim, seed=seed + 1, valid=valid)
@@ -100,7 +101,7 @@ def call_kwargs(kind: str, *, height=96, width=160, frames=9, steps=2, seed=0, t
               generator=torch.Generator().manual_seed(seed), output_type=output_type)
     if kind == "i2v":
         kw["image"] = image(height, width, seed)
-    elif kind == "condition":
+    elif kind == "condition" and frame_index is not None:  # None: no condition (one timestep per sample)
         kw.update(image=image(height, width, seed), frame_index=frame_index)
     return kw
 

@@ -165,7 +165,8 @@ def _token_grid(model, args, kwargs):
 LTX_SHARDING_PLAN = ShardingPlan(
     split_inputs=(
         SplitInput("", "hidden_states", dim=1),  # packed video tokens (B, S, C)
-        SplitInput("", "timestep", dim=1, ndim=2),  # I2V / condition: per-token timesteps (B, S)
+        # I2V / condition: per-token timesteps (B, S); (B, 1) (the condition pipeline without a condition) broadcasts
+        SplitInput("", "timestep", dim=1, ndim=2, broadcast=True),
     ),
     split_outputs=(SplitOutput("rope", dim=1),),  # only when diffusers' own (cos, sin) RoPE is kept
     gather_outputs=(GatherOutput("proj_out", dim=1),),

@@ -4,8 +4,6 @@ fp32, batched CFG on (B = 2), padded text (prompt 5 of 8 tokens, negative 3), 3 
 grid (2 x 3 x 5), tiny in-memory pipelines without text encoder (prompt embeddings passed in).
 """
 
-import warnings
-
 import pytest
 import torch
 
@@ -263,18 +261,21 @@ def test_parallel_refusals_come_before_any_collective():
     assert not lite_boost.api.is_boosted(pipe)
 
 
+def test_batched_cfg_parallel_refuses_a_cache_that_decides_from_the_batch():
+    """First-Block Cache's statistic spans the whole B = 2 batch; under cfg_degree 2 each cfg rank holds
+    half of it. Refused before any collective; the fixed-schedule methods are offered."""
+    from lite_boost.parallel import ParallelManager
+
+    pipe = tl.tiny_ltx_pipeline("t2v")
+    with pytest.raises(ConfigError, match=r"'first_block_cache' decides from the activations of the whole batch.*"
+                                          r"use one of \['mag_cache', 'taylorseer_cache'\]"):
+        ParallelManager(pipe, {"parallel": {"cfg_degree": 2}, "cache": "first_block_cache"})
+    assert not lite_boost.api.is_boosted(pipe)
+
+
 # --------------------------------------------------------------------------------------------- compile
-@pytest.fixture
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.parametrize("kind", ["stock", "dense", "sparse", "per_token", "coords"])
-def test_explain_reports_no_graph_break(kind, _fresh_dynamo):
+def test_explain_reports_no_graph_break(kind, fresh_dynamo):
     model = tl.tiny_ltx_transformer()
     if kind != "stock":
         lite_boost.boost(model, BoostConfig(sparse=SparseConfig(sparsity=0.75, block_size=4, backend="gather"))
@@ -288,7 +289,7 @@ def test_explain_reports_no_graph_break(kind, _fresh_dynamo):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sparse"])  # dense: test_ltx_diffusers_model.py::test_torch_compile_repeated_blocks
-def test_compile_repeated_blocks_fullgraph_matches_eager(kind, _fresh_dynamo):
+def test_compile_repeated_blocks_fullgraph_matches_eager(kind, fresh_dynamo):
     """diffusers' regional compile recipe with inductor on a boosted transformer, two steps."""
     model = tl.tiny_ltx_transformer()
     config = BoostConfig(sparse=SparseConfig(sparsity=0.75, block_size=4, backend="gather")) if kind == "sparse" else None
@@ -330,14 +331,3 @@ def test_lite_boost_models_lists_the_family(capsys):
     assert "LTXImageToVideoPipeline" in row and "| cross | batched |" in row
     assert row.count("| yes") == 7 and row.count("| no") == 1  # parallel_vae: no
 
-
-def test_batched_cfg_parallel_refuses_a_cache_that_decides_from_the_batch():
-    """First-Block Cache's statistic spans the whole B = 2 batch; under cfg_degree 2 each cfg rank holds
-    half of it. Refused before any collective; the fixed-schedule methods are offered."""
-    from lite_boost.parallel import ParallelManager
-
-    pipe = tl.tiny_ltx_pipeline("t2v")
-    with pytest.raises(ConfigError, match=r"'first_block_cache' decides from the activations of the whole batch.*"
-                                          r"use one of \['mag_cache', 'taylorseer_cache'\]"):
-        ParallelManager(pipe, {"parallel": {"cfg_degree": 2}, "cache": "first_block_cache"})
-    assert not lite_boost.api.is_boosted(pipe)

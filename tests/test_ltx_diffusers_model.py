@@ -140,16 +140,9 @@ def test_gradient_checkpointing_equivalence_and_applied_set():
     assert applied == {"LTXVideoTransformer3DModel"}
 
 
-@pytest.fixture
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.slow
 @torch.no_grad()
-def test_torch_compile_recompilation_and_graph_break(_fresh_dynamo):
+def test_torch_compile_recompilation_and_graph_break(fresh_dynamo):
     stock, model = _pair()
     compiled = torch.compile(model, fullgraph=True, backend=os.environ.get("LITE_BOOST_TEST_COMPILE_BACKEND",
                                                                             "aot_eager"))
@@ -161,7 +154,7 @@ def test_torch_compile_recompilation_and_graph_break(_fresh_dynamo):
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_torch_compile_repeated_blocks(_fresh_dynamo):
+def test_torch_compile_repeated_blocks(fresh_dynamo):
     stock, model = _pair()
     model.compile_repeated_blocks(fullgraph=True)
     with torch._dynamo.config.patch(recompile_limit=1):

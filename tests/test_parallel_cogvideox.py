@@ -15,7 +15,7 @@ from _dist_utils import run_ranks
 TOL = 1e-5
 LAYERS, TEXT = 2, 7
 
-CASES_2 = list(cases.CASES)
+CASES_2 = list(cases.CASES) + list(cases.REFUSALS)
 CASES_3 = [n for n, c in cases.CASES.items() if c[3] == 1 and n in ("5b_h3", "2b_h3", "15_h3", "i2v15_h5", "5b_h2",
                                                                      "5b_sparse075_h3", "5b_fbc_h3")]
 
@@ -59,7 +59,13 @@ def _check(world, name):
                 assert r["sparse_effective"] > 0.2, r
 
 
-@pytest.mark.parametrize("name", CASES_2)
+def test_refusals_name_the_option_on_every_rank_without_a_hang():
+    for res in _results(2):
+        assert "AutoencoderKLCogVideoX" in res["vae_exact_refused"]["error"], res["vae_exact_refused"]
+        assert "not a multiple of the cfg degree 2" in res["cfg2_without_guidance_refused"]["error"]
+
+
+@pytest.mark.parametrize("name", [n for n in CASES_2 if n in cases.CASES])
 def test_parity_2_ranks(name):
     _check(2, name)
 

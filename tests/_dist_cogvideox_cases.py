@@ -29,7 +29,7 @@ CASES = {
     "5b_sparse075_h3": ("5b", 3, (64, 128), 1, {"sparse": {**SPARSE, "sparsity": 0.75}}, {}),
     "5b_fbc_h3": ("5b", 3, (48, 80), 1, {"cache": {"method": "first_block_cache", "threshold": 0.5}}, {"steps": 4}),
     "5b_cfg2_h3": ("5b", 3, (48, 80), 2, {}, {}),  # batched CFG split over the cfg group
-    "15_cfg2_h3": ("15", 3, (48, 80), 2, {}, {}),
+    "i2v15_cfg2_h3": ("i2v15", 3, (48, 80), 2, {}, {}),  # image latents and ofs with the batch split
 }
 
 

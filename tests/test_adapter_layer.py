@@ -30,6 +30,9 @@ def test_batched_cfg_splits_the_batch_and_gathers_it(toy_results):
         r = res["batched_cfg"]
         assert r["maxdiff"] <= TOL and r["cfg_calls"] == {"computed": 0, "split": 1}, (rank, r)
         assert r["seen"][0][0] == torch.Size([1, 7]), r["seen"]  # each cfg rank runs one branch of the batch
+        r = res["batched_cfg_batch1"]  # CFG off in the call (batch 1): the whole call on every cfg rank
+        assert r["ref_abs"] > 0.1 and r["maxdiff"] <= TOL and r["cfg_calls"] == {"computed": 1, "split": 0}, (rank, r)
+        assert r["seen"][0][0] == torch.Size([1, 7]), r["seen"]
 
 
 def test_cfg_passes_told_apart_by_call_order_split_over_cfg_ranks(toy_results):

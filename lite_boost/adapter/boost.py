@@ -71,7 +71,8 @@ def _site_pattern(path: str) -> re.Pattern:
 def match_sites(family, model) -> list[tuple[str, object, object, int]]:
     """(name, module, site, layer index) of every module matching an attention site, in module order.
 
-    The layer index is the number matched by the site path's first ``*`` (0 when it has none).
+    The layer index is the number matched by the site path's first ``*`` (0 when it has none); for a
+    site with ``continues=True`` it is offset past the largest index of the sites declared before it.
     Raises TypeError when a site matches nothing or a matched module has no ``set_processor``.
     """
     patterns = [(site, _site_pattern(site.path)) for site in family.attention]
@@ -91,7 +92,11 @@ def match_sites(family, model) -> list[tuple[str, object, object, int]]:
     if missing:
         raise TypeError(f"{type(model).__name__} does not look like a {family.name} transformer "
                         f"({' / '.join(family.transformers)}): no module matches the attention site(s) {missing}")
-    return found
+    offsets, top = {}, -1  # site path -> offset of its indices; largest index of the sites so far
+    for site in family.attention:
+        offsets[site.path] = top + 1 if site.continues else 0
+        top = max([top] + [offsets[site.path] + i for _, _, s, i in found if s is site])
+    return [(name, module, site, offsets[site.path] + i) for name, module, site, i in found]
 
 
 def check_model(family, model) -> list:

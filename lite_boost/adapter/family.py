@@ -38,11 +38,17 @@ class AttentionSite:
         refiner or adapter attentions elsewhere in the model keep diffusers' processors.
     processor: ``processor(layer_idx, role, backend) -> LiteBoostProcessor`` (usually the class).
     role: "self" (sequence self-attention), "joint" (the same with a text stream) or "cross".
+    continues: the layer indices of this site follow those of the sites before it (layer = 1 + the
+        largest index they matched + this site's own index), so that two stacks of blocks, e.g.
+        dual-stream ``transformer_blocks.*.attn`` then single-stream ``single_transformer_blocks.*.attn``
+        (Flux, HunyuanVideo), give every processor its own layer index (per-layer sparse masks,
+        ``dense_layers``). False: the index is the site's own ``*`` (Wan's ``attn1`` / ``attn2`` share it).
     """
 
     path: str
     processor: Callable[..., Any]
     role: str = "self"
+    continues: bool = False
 
     def __post_init__(self):
         if not isinstance(self.path, str) or not self.path:

@@ -105,11 +105,16 @@ class RankArg:
 
         RankArg("transformer_blocks.*", "first_frame_num_tokens",
                 lambda n, start, stop: max(0, min(n - start, stop - start)))
+
+    ``optional``: modules whose ``forward`` has no argument ``arg`` are left alone instead of
+    failing the plan check (a model variant whose blocks lack it: HunyuanVideo's text-to-video blocks
+    take no ``num_tokens``, its image-to-video token-replace blocks do).
     """
 
     module: str
     arg: str
     fn: Callable[[object, int, int], object]
+    optional: bool = False
 
 
 @dataclass(frozen=True)
@@ -245,7 +250,7 @@ class SequenceParallelHooks:
                             f"{plan.attention_processors!r}")
         for s in (*plan.split_inputs, *plan.rank_args):
             for mod in self._modules(s.module):
-                if _arg_index(mod, s.arg) is None:
+                if _arg_index(mod, s.arg) is None and not getattr(s, "optional", False):
                     raise PlanError(f"module {s.module!r} ({type(mod).__name__}).forward has no argument {s.arg!r}")
         for g in (*plan.gather_outputs, *plan.split_outputs):
             self._modules(g.module)
@@ -349,7 +354,9 @@ class SequenceParallelHooks:
                 self._handles.append(mod.register_forward_pre_hook(self._make_split_input(spec, mod), with_kwargs=True))
         for spec in plan.rank_args:
             for mod in self._modules(spec.module):
-                self._handles.append(mod.register_forward_pre_hook(self._make_rank_arg(spec, mod), with_kwargs=True))
+                if _arg_index(mod, spec.arg) is not None:  # (optional rank args skip modules without it)
+                    self._handles.append(mod.register_forward_pre_hook(self._make_rank_arg(spec, mod),
+                                                                       with_kwargs=True))
         for spec in plan.split_outputs:
             for mod in self._modules(spec.module):
                 self._handles.append(mod.register_forward_hook(self._make_split_output(spec)))

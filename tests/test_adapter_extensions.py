@@ -11,7 +11,10 @@ import pytest
 from torch import nn
 
 import _dist_adapter_cases as toy
+import _dist_cfg_kinds_cases as cases
+from _dist_utils import run_ranks
 from lite_boost.adapter import AttentionSite, LiteBoostProcessor, ModelFamily
+from lite_boost.config import ConfigError
 
 TOL = 1e-5
 
@@ -74,3 +77,55 @@ def test_an_optional_rank_arg_skips_blocks_without_the_argument(monkeypatch):
     assert len(model.blocks[1]._forward_pre_hooks) == 1  # the rank argument
     hooks.remove()
     assert not model.blocks[0]._forward_pre_hooks and not model.blocks[1]._forward_pre_hooks
+
+
+# --------------------------------------------------------------------------------------- CFG kinds
+@pytest.fixture(scope="module")
+def cfg_results():
+    return run_ranks(cases.cfg_kind_cases, 2, timeout=240)
+
+
+@pytest.mark.parametrize("name, computed, deferred", [
+    ("ordered", 8, 8),  # 2 pipeline calls x 4 steps: each rank computes one of each pair
+    ("ordered_no_cfg", 8, 0),  # no negative prompt: one call per step, every rank computes it
+    ("guider", 8, 8),
+    ("guider_stop", 8, 4),  # the guider stops CFG after half the steps: those make one call, not split
+])
+def test_cfg_parallel_kinds_equal_one_process(cfg_results, name, computed, deferred):
+    for rank, res in enumerate(cfg_results):
+        r = res[name]
+        assert r["ref_abs"] > 0.1 and r["maxdiff"] <= TOL, (rank, r)
+        assert r["cfg_calls"] == {"computed": computed, "deferred": deferred}, (rank, r)
+
+
+def test_cfg_plan_kinds_are_validated():
+    from lite_boost.parallel.plan import CfgPlan, PlanError
+
+    with pytest.raises(PlanError, match=r"kind='guider'\) needs guider="):
+        CfgPlan(kind="guider")
+    with pytest.raises(PlanError, match="needs a pipeline flag attribute"):
+        CfgPlan(kind="ordered", flag=None)
+    with pytest.raises(PlanError, match=r"kind='ordered'\) needs call_start="):
+        CfgPlan(kind="ordered")
+    assert CfgPlan(kind="guider", guider="guider", flag=None).guider == "guider"
+
+
+def test_cfg_parallel_refuses_a_guider_with_three_predictions_before_any_collective():
+    from diffusers.guiders import SkipLayerGuidance
+
+    import lite_boost
+    from lite_boost.registry import SUPPORTED_MODELS, _FAMILIES, register_family
+
+    fams = [register_family(f) for f in cases.families()]
+    try:
+        pipe = cases.GuiderToyPipeline(cases.GuiderToyTransformer(), SkipLayerGuidance(skip_layer_guidance_layers=[0]))
+        with pytest.raises(ConfigError, match=r"cfg_degree=2 splits the guider's two predictions "
+                                              r"\['pred_cond', 'pred_uncond'\] .*SkipLayerGuidance predicting "
+                                              r"\['pred_cond', 'pred_uncond', 'pred_cond_skip'\]"):
+            lite_boost.ParallelManager(pipe, {"parallel": {"cfg_degree": 2}})
+        assert not lite_boost.api.is_boosted(pipe)  # refused before anything was touched
+    finally:
+        for family in fams:
+            for n in family.transformers + family.pipelines:
+                SUPPORTED_MODELS.pop(n, None)
+            _FAMILIES.pop(family.name, None)

@@ -56,8 +56,10 @@ __all__ = [
 
 TEXT_POLICIES = ("replicate", "shard")
 # "separate": two transformer calls per step named by cache_context (Wan, Qwen-Image, Flux true CFG);
-# "batched": one call with cond and uncond stacked on the batch (LTX, CogVideoX); "none": no CFG.
-CFG_KINDS = ("separate", "batched", "none")
+# "batched": one call with cond and uncond stacked on the batch (LTX, CogVideoX); "ordered": two calls
+# per step, cond then uncond, without context names (HunyuanVideo I2V, Flux Kontext); "guider": one call
+# per condition of the pipeline's diffusers guider, named by the guider (HunyuanVideo-1.5); "none": no CFG.
+CFG_KINDS = ("separate", "batched", "ordered", "guider", "none")
 
 
 class PlanError(TypeError):
@@ -151,13 +153,21 @@ class CfgPlan:
 
     kind: one of :data:`CFG_KINDS`. "separate": cond and uncond are two transformer calls, named
         ``cond`` / ``uncond`` by ``cache_context``; with cfg degree 2 each cfg rank computes one and
-        the results are exchanged. "batched": one call inside ``cache_context(cond)`` with the two
-        branches stacked on the batch; with cfg degree 2 each cfg rank runs its half of the batch
-        arguments ``batch_args`` and the output is gathered on the batch. "none": no CFG.
+        the results are exchanged. "ordered": the same two calls without context names: while CFG
+        runs, the transformer calls of one pipeline call alternate cond, uncond (counted from
+        ``call_start``). "guider": the pipeline's diffusers guider (attribute ``guider``) runs one
+        call per condition inside ``cache_context(<its identifier>)``; CFG runs a step when the
+        guider has exactly the two conditions ``cond`` / ``uncond`` (ClassifierFreeGuidance:
+        ``pred_cond`` / ``pred_uncond``; it may switch CFG off for some steps); guiders with more
+        predictions are refused before any collective. "batched": one call inside
+        ``cache_context(cond)`` with the two branches stacked on the batch; with cfg degree 2 each
+        cfg rank runs its half of the batch arguments ``batch_args`` and the output is gathered on
+        the batch. "none": no CFG.
     flag: pipeline attribute that is truthy when CFG runs this call, or None when the pipeline
         keeps it in a local variable (then ``encodes``: CFG runs iff the pipeline method ``encodes``
         ran twice since ``call_start`` last ran, once for the prompt and once for the negative
-        prompt, as in Qwen-Image's pipelines).
+        prompt, as in Qwen-Image's pipelines). Not used by the "guider" kind.
+    guider: "guider" kind: the pipeline attribute holding the diffusers guider.
     cond / uncond: the ``cache_context`` names of the two passes (batched: ``cond`` names the call).
     batch_args: batched kind: the forward arguments that carry the two branches on dim 0.
     output_shape: separate kind: ``output_shape(model, args, kwargs) -> shape`` of the transformer
@@ -174,12 +184,19 @@ class CfgPlan:
     call_start: str | None = None
     batch_args: tuple[str, ...] = ()
     output_shape: Callable | None = None
+    guider: str | None = None
 
     def __post_init__(self):
         if self.kind not in CFG_KINDS:
             raise PlanError(f"CfgPlan.kind must be one of {list(CFG_KINDS)}, got {self.kind!r}")
-        if self.kind != "none" and self.flag is None and not (self.encodes and self.call_start):
+        if self.kind == "guider":
+            if not self.guider:
+                raise PlanError("CfgPlan(kind='guider') needs guider= (the pipeline attribute holding the guider)")
+        elif self.kind != "none" and self.flag is None and not (self.encodes and self.call_start):
             raise PlanError("CfgPlan needs a pipeline flag attribute, or encodes= and call_start= method names")
+        if self.kind == "ordered" and self.flag is not None and not self.call_start:
+            raise PlanError("CfgPlan(kind='ordered') needs call_start= (the pipeline method that starts a call, "
+                            "where the cond / uncond order is counted from)")
         if self.kind == "batched" and not self.batch_args:
             raise PlanError("CfgPlan(kind='batched') needs batch_args (the forward arguments holding both branches)")
 

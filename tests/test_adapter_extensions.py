@@ -8,13 +8,15 @@
 """
 
 import pytest
+import torch
 from torch import nn
 
 import _dist_adapter_cases as toy
 import _dist_cfg_kinds_cases as cases
+import _dist_joint_cases as jc
 from _dist_utils import run_ranks
 from lite_boost.adapter import AttentionSite, LiteBoostProcessor, ModelFamily
-from lite_boost.config import ConfigError
+from lite_boost.config import ConfigError, SparseConfig
 
 TOL = 1e-5
 
@@ -129,3 +131,55 @@ def test_cfg_parallel_refuses_a_guider_with_three_predictions_before_any_collect
             for n in family.transformers + family.pipelines:
                 SUPPORTED_MODELS.pop(n, None)
             _FAMILIES.pop(family.name, None)
+
+
+# --------------------------------------------------------------------------------------- sparse, padded text
+def _sparse(sparsity):
+    from lite_boost.adapter.processor import DenseAttention
+    from lite_boost.adapter.sparse import ScheduledSparseAttention, SparseState
+    from lite_boost.schedule import SparseSchedule
+
+    cfg = SparseConfig(sparsity=sparsity, block_size=4, backend="gather", keep_sink=False)
+    state = SparseState(cfg, SparseSchedule(cfg))
+    state.grid = (1, 6, 8)
+    return ScheduledSparseAttention(0, state, DenseAttention()), state
+
+
+def _padded_case(batch, valid, first=False, seed=0):
+    (q, k, v), joint = jc.make_case(seed, batch, 48, 6, 2, 8, False, True)
+    mask = torch.zeros(batch, 6, dtype=torch.bool)
+    for b, n in enumerate(valid):
+        mask[b, :n] = True
+    jk = joint.k.masked_fill(~mask[..., None, None], 1e4)  # padded keys would dominate if attended
+    return (q, k, v), joint._replace(k=jk, key_mask=mask, first=first)
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_sparse_joint_attention_leaves_padded_text_out(first):
+    from lite_boost.ops.joint import joint_attention
+
+    (q, k, v), joint = _padded_case(1, [4], first)
+    ref, ref_text = joint_attention(jc.sdpa_kernel, q, k, v, joint)  # dense with the key-padding mask
+    fn, state = _sparse(0.0)
+    out, text_out = fn(q, k, v, joint=joint)
+    assert state.events[-1].reason == "sparsity keeps every block"  # through sparse_attention, not the fallback
+    assert (out - ref).abs().max() <= TOL and (text_out - ref_text).abs().max() <= TOL  # padded rows too
+    fn, state = _sparse(0.75)
+    out, text_out = fn(q, k, v, joint=joint)
+    assert state.events[-1].path == "sparse" and state.events[-1].effective_sparsity > 0.3
+    assert (text_out - ref_text).abs().max() <= TOL  # text rows stay dense (real and padded)
+    assert torch.isfinite(out).all() and (out - ref).abs().max() > 1e-3  # the image rows skipped blocks
+
+
+def test_sparse_with_per_sample_padding_runs_dense_and_says_why():
+    from lite_boost.ops.joint import joint_attention
+
+    fn, state = _sparse(0.75)
+    (q, k, v), joint = _padded_case(2, [4, 4])  # the same padding in both samples: sparse
+    fn(q, k, v, joint=joint)
+    assert state.events[-1].path == "sparse"
+    (q, k, v), joint = _padded_case(2, [4, 3])
+    out, text_out = fn(q, k, v, joint=joint)
+    ref, ref_text = joint_attention(jc.sdpa_kernel, q, k, v, joint)
+    assert state.events[-1].path == "dense" and "key-padding mask" in state.events[-1].reason
+    assert (out - ref).abs().max() <= TOL and (text_out - ref_text).abs().max() <= TOL

@@ -120,15 +120,18 @@ def hunyuan_pipeline(spec: HySpec = HySpec(), seed: int = 0):
     return pipe
 
 
-def hunyuan15_pipeline(spec: Hy15Spec = Hy15Spec(), seed: int = 0, guidance_scale: float = 4.0):
-    """HunyuanVideo15Pipeline (spec.task "t2v") or HunyuanVideo15ImageToVideoPipeline, without text encoders."""
+def hunyuan15_pipeline(spec: Hy15Spec = Hy15Spec(), seed: int = 0, guidance_scale: float = 4.0, stop: float = 1.0):
+    """HunyuanVideo15Pipeline (spec.task "t2v") or HunyuanVideo15ImageToVideoPipeline, without text encoders.
+
+    The guider runs CFG (two calls per step) for the steps before ``stop`` (a fraction of the steps)."""
     from diffusers import (FlowMatchEulerDiscreteScheduler, HunyuanVideo15ImageToVideoPipeline,
                            HunyuanVideo15Pipeline)
     from diffusers.guiders import ClassifierFreeGuidance
 
     parts = dict(transformer=hunyuan15_transformer(spec, seed), vae=_hunyuan15_vae(spec.latent_channels),
                  scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder=None, tokenizer=None,
-                 text_encoder_2=None, tokenizer_2=None, guider=ClassifierFreeGuidance(guidance_scale=guidance_scale))
+                 text_encoder_2=None, tokenizer_2=None,
+                 guider=ClassifierFreeGuidance(guidance_scale=guidance_scale, stop=stop))
     if spec.task == "t2v":
         pipe = HunyuanVideo15Pipeline(**parts)
     else:

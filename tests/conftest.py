@@ -29,3 +29,15 @@ def pipeline_kwargs(kind: str, *, height=32, width=48, num_frames=5, steps=2, se
 @pytest.fixture
 def tiny_kwargs():
     return pipeline_kwargs
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """A clean torch._dynamo state (compile caches) before and after the test, compile warnings muted."""
+    import warnings
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    torch._dynamo.reset()

@@ -5,8 +5,6 @@ transformer calls, text padded (11 of 16 cond tokens real, 7 uncond), true CFG o
 pipelines without text encoders (prompt embeddings, pooled embeddings and masks passed in).
 """
 
-import warnings
-
 import pytest
 import torch
 
@@ -203,17 +201,8 @@ def test_cache_refusals_name_the_reason():
 
 
 # --------------------------------------------------------------------------------------------- compile
-@pytest.fixture
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.parametrize("kind", ["stock", "dense", "sparse", "token_replace"])
-def test_explain_reports_no_graph_break(kind, _fresh_dynamo):
+def test_explain_reports_no_graph_break(kind, fresh_dynamo):
     spec = hy.HySpec(kind="token_replace" if kind == "token_replace" else "t2v")
     model = hy.hunyuan_transformer(spec)
     if kind != "stock":
@@ -228,7 +217,7 @@ def test_explain_reports_no_graph_break(kind, _fresh_dynamo):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dense", "sparse"])
-def test_compile_repeated_blocks_fullgraph_matches_eager(kind, _fresh_dynamo):
+def test_compile_repeated_blocks_fullgraph_matches_eager(kind, fresh_dynamo):
     spec = hy.HySpec()
     model = hy.hunyuan_transformer(spec)
     config = BoostConfig(sparse=SparseConfig(sparsity=0.75, block_size=4, backend="gather")) if kind == "sparse" else None

@@ -5,8 +5,6 @@ cond, 5 and 3 for uncond) plus the 729 image-side tokens T2V adds (all padding),
 guider at scale 4 (two calls per step); tiny in-memory pipelines without text encoders.
 """
 
-import warnings
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -147,15 +145,6 @@ def test_block_caches_are_refused_with_the_reason():
 
 
 # --------------------------------------------------------------------------------------------- compile
-@pytest.fixture
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-    torch._dynamo.reset()
-
-
 def _block_inputs(model, spec):
     """What the model hands transformer_blocks[0]: image tokens, reordered text, temb, (B, T) mask, RoPE."""
     seen = {}
@@ -167,7 +156,7 @@ def _block_inputs(model, spec):
 
 
 @pytest.mark.parametrize("kind", ["stock", "dense", "sparse"])
-def test_explain_reports_no_graph_break_in_a_block(kind, _fresh_dynamo):
+def test_explain_reports_no_graph_break_in_a_block(kind, fresh_dynamo):
     """1.5's forward reorders the text with boolean indexing (data-dependent shapes: graph breaks in stock
     too, outside the blocks); a block has none, boosted or not."""
     spec = hy.Hy15Spec()
@@ -181,7 +170,7 @@ def test_explain_reports_no_graph_break_in_a_block(kind, _fresh_dynamo):
     assert report.graph_break_count == 0 and report.graph_count == 1, [r.reason for r in report.break_reasons]
 
 
-def test_the_boost_adds_no_graph_break_to_the_whole_forward(_fresh_dynamo):
+def test_the_boost_adds_no_graph_break_to_the_whole_forward(fresh_dynamo):
     spec = hy.Hy15Spec()
     model = hy.hunyuan15_transformer(spec)
     inputs = hy.transformer_inputs_15(spec, valid=[(4, 3)])
@@ -193,7 +182,7 @@ def test_the_boost_adds_no_graph_break_to_the_whole_forward(_fresh_dynamo):
 
 
 @pytest.mark.slow
-def test_compile_repeated_blocks_fullgraph_matches_eager(_fresh_dynamo):
+def test_compile_repeated_blocks_fullgraph_matches_eager(fresh_dynamo):
     spec = hy.Hy15Spec()
     model = lite_boost.boost(hy.hunyuan15_transformer(spec))
     inputs = hy.transformer_inputs_15(spec, valid=[(4, 3)])

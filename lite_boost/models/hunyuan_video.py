@@ -245,6 +245,10 @@ HUNYUAN_VIDEO_15_CACHE_ADAPTER = CacheAdapter(
     probe_module="x_embedder",
 )
 
+# What the two families share: [image, text] joint attention, the RoPE module and the token grid.
+_COMMON = dict(joint="image_first", rope=RopeSource("rope", CachedHunyuanRope, matches=_is_hunyuan_rope),
+               token_grid=_token_grid)
+
 HUNYUAN_VIDEO = register_family(ModelFamily(
     name="hunyuan-video",
     transformers=("HunyuanVideoTransformer3DModel",),
@@ -252,21 +256,17 @@ HUNYUAN_VIDEO = register_family(ModelFamily(
     attention=(AttentionSite("transformer_blocks.*.attn", HunyuanVideoJointProcessor, role="joint"),
                AttentionSite("single_transformer_blocks.*.attn", HunyuanVideoJointProcessor, role="joint",
                              continues=True)),
-    joint="image_first",
-    rope=RopeSource("rope", CachedHunyuanRope, matches=_is_hunyuan_rope),
-    token_grid=_token_grid,
     timestep_module="time_text_embed",
     sharding=_sharding(single_blocks=True),
-    pipeline=PipelinePlan(transformers=("transformer",),
-                          cfg=CfgPlan(kind="ordered", flag=None, encodes="encode_prompt", call_start="check_inputs",
-                                      output_shape=_output_shape),
-                          prepare_latents="prepare_latents"),
+    pipeline=PipelinePlan(cfg=CfgPlan(kind="ordered", flag=None, encodes="encode_prompt", call_start="check_inputs",
+                                      output_shape=_output_shape)),
     cache=HUNYUAN_VIDEO_CACHE_ADAPTER,
     quant_patterns=("transformer_blocks.*", "single_transformer_blocks.*"),
     unsupported={"parallel_vae": "AutoencoderKLHunyuanVideo has no parallel-VAE adapter yet; each rank decodes the "
                                  "whole video"},
     notes="text (padded to 256) replicated on every rank; CFG parallel with true CFG only (the default is "
           "guidance-distilled); I2V first-frame rows counted per rank",
+    **_COMMON,
 ))
 
 HUNYUAN_VIDEO_15 = register_family(ModelFamily(
@@ -274,21 +274,17 @@ HUNYUAN_VIDEO_15 = register_family(ModelFamily(
     transformers=("HunyuanVideo15Transformer3DModel",),
     pipelines=("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"),
     attention=(AttentionSite("transformer_blocks.*.attn", HunyuanVideo15JointProcessor, role="joint"),),
-    joint="image_first",
-    rope=RopeSource("rope", CachedHunyuanRope, matches=_is_hunyuan_rope),
-    token_grid=_token_grid,
     timestep_module="time_embed",
     sharding=_sharding(single_blocks=False),
-    pipeline=PipelinePlan(transformers=("transformer",),
-                          cfg=CfgPlan(kind="guider", flag=None, guider="guider", cond="pred_cond",
-                                      uncond="pred_uncond", output_shape=_output_shape),
-                          prepare_latents="prepare_latents"),
+    pipeline=PipelinePlan(cfg=CfgPlan(kind="guider", flag=None, guider="guider", cond="pred_cond",
+                                      uncond="pred_uncond", output_shape=_output_shape)),
     cache=HUNYUAN_VIDEO_15_CACHE_ADAPTER,
     quant_patterns=("transformer_blocks.*",),
     unsupported={"parallel_vae": "AutoencoderKLHunyuanVideo15 has no parallel-VAE adapter yet; each rank decodes the "
                                  "whole video"},
     notes="dense (S+T)^2 mask replaced by a key-padding mask; text (~2,000 tokens) replicated on every rank; CFG "
           "parallel through the ClassifierFreeGuidance guider",
+    **_COMMON,
 ))
 
 boost_hunyuan_video_transformer = HUNYUAN_VIDEO.boost_transformer

@@ -31,6 +31,8 @@ CASES = {
     "hv_diffusers_rope_h3": ("hv", "t2v", 3, {}, 1, None),  # diffusers' own RoPE tables kept
     "hv_sparse0_h3": ("hv", "t2v", 3, {"height": 64, "width": 64, "frames": 5}, 1, 0.0),
     "hv_sparse075_h3": ("hv", "t2v", 3, {"height": 64, "width": 64, "frames": 5}, 1, 0.75),
+    "hv_fbc_h3": ("hv", "t2v", 3, {"cfg": True, "steps": 4, "cache": {"method": "first_block_cache",
+                                                                       "threshold": 0.5}}, 1, None),
     "hv_t2v_cfg2_h3": ("hv", "t2v", 3, {"cfg": True}, 2, None),
     "hv_token_replace_cfg2_h3": ("hv", "token_replace", 3, {"height": 32, "width": 32, "frames": 5, "cfg": True}, 2,
                                  None),  # two calls per step without context names
@@ -43,8 +45,10 @@ CASES = {
 }
 
 
-def _config(cfg_degree, sparsity):
+def _config(cfg_degree, sparsity, cache=None):
     cfg = {"parallel": {"cfg_degree": cfg_degree, "timeout_s": 120}}
+    if cache is not None:  # the reference: one process, the same cache (= diffusers' hook, test_hunyuan_video.py)
+        cfg["cache"] = cache
     if sparsity is not None:
         cfg["sparse"] = {"sparse_type": "rf_v2", "sparsity": sparsity, "block_size": 4, "backend": "gather",
                          "keep_sink": False}
@@ -54,13 +58,13 @@ def _config(cfg_degree, sparsity):
 def _build(family, kind, heads, extra):
     import _tiny_hunyuan as hy
 
-    call = dict(extra)
+    call = {k: v for k, v in extra.items() if k != "cache"}
+    call.setdefault("steps", STEPS)
     if family == "hv":
         spec = hy.HySpec(heads=heads, kind=kind)
-        return (lambda: hy.hunyuan_pipeline(spec)), (lambda: hy.call_kwargs(spec, steps=STEPS, **call))
+        return (lambda: hy.hunyuan_pipeline(spec)), (lambda: hy.call_kwargs(spec, **call))
     stop = call.pop("stop", 1.0)
     spec = hy.Hy15Spec(heads=heads, task=kind)
-    call.setdefault("steps", STEPS)
     return (lambda: hy.hunyuan15_pipeline(spec, stop=stop)), (lambda: hy.call_kwargs_15(spec, **call))
 
 
@@ -71,10 +75,10 @@ def run_cases(rank, world_size, init_method, names):
     meshes, out = {}, {}
     for name in names:
         family, kind, heads, extra, cfg_degree, sparsity = CASES[name]
-        config = _config(cfg_degree, sparsity)
+        config = _config(cfg_degree, sparsity, extra.get("cache"))
         make, call = _build(family, kind, heads, extra)
         ref_pipe = make()
-        if sparsity is not None:
+        if sparsity is not None or "cache" in config:
             lite_boost.boost(ref_pipe, dict(config, parallel={"timeout_s": 120}))
         ref = ref_pipe(**call()).frames
         if cfg_degree not in meshes:

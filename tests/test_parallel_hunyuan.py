@@ -2,9 +2,9 @@
 
 fp32, gloo. The text stays replicated (padded: key-padding masks), the first dual and single blocks see
 this rank's shard of the video tokens and the whole text, joint attention exchanges only the video
-tokens, the I2V token-replace blocks get this rank's count of first-frame rows; CFG parallel by call
-order (HunyuanVideo, with and without context names) and through 1.5's guider (also when it switches CFG
-off for some steps).
+tokens, the I2V token-replace blocks get this rank's count of first-frame rows, First-Block Cache decides
+alike on every rank; CFG parallel by call order (HunyuanVideo, with and without context names) and
+through 1.5's guider (also when it switches CFG off for some steps).
 """
 
 import math
@@ -18,7 +18,10 @@ TOL = 1e-5
 TOKENS = {"hv": lambda e: (((e.get("frames", 17) - 1) // 4 + 1) * (e.get("height", 16) // 8) * (e.get("width", 32) // 8)),
           "15": lambda e: (((e.get("frames", 5) - 1) // 2 + 1) * (e.get("height", 12) // 4) * (e.get("width", 20) // 4))}
 CASES_2 = list(cases.CASES)
-CASES_3 = [n for n, c in cases.CASES.items() if c[4] == 1]
+# 3 ranks: uneven shards (40 tokens -> 14, 14, 12; 2 heads for 3 ranks), first-frame rows across ranks,
+# padded batches, sparse, the cache decision, 1.5 (the other cases add nothing at 3 that 2 do not cover)
+CASES_3 = ["hv_t2v_h3", "hv_t2v_h2", "hv_t2v_padded_batch2_h3", "hv_token_replace_h3", "hv_sparse075_h3", "hv_fbc_h3",
+           "hy15_t2v_h3", "hy15_i2v_h3"]
 
 _RESULTS = {}
 
@@ -47,7 +50,11 @@ def _check(world, name):
         if seq > 1:
             c = r["calls"]
             # one packed exchange each way and one text gather per joint attention, one gather per call
-            assert c["qkv_to_heads"] == c["heads_to_seq"] == c["joint_heads"] == cases.LAYERS * c["gather"], c
+            assert c["qkv_to_heads"] == c["heads_to_seq"] == c["joint_heads"], c
+            if "cache" in extra:  # First-Block Cache skipped the single block on some steps, on every rank alike
+                assert c["qkv_to_heads"] < cases.LAYERS * c["gather"], c
+            else:
+                assert c["qkv_to_heads"] == cases.LAYERS * c["gather"], c
         if cfg_degree > 1:
             calls = r["cfg_calls"]
             steps = extra.get("steps", cases.STEPS)

@@ -155,7 +155,7 @@ class CfgPlan:
         ``cond`` / ``uncond`` by ``cache_context``; with cfg degree 2 each cfg rank computes one and
         the results are exchanged. "ordered": the same two calls without context names: while CFG
         runs, the transformer calls of one pipeline call alternate cond, uncond (counted from
-        ``call_start``). "guider": the pipeline's diffusers guider (attribute ``guider``) runs one
+        ``call_start``; for pipelines with one transformer). "guider": the pipeline's diffusers guider (attribute ``guider``) runs one
         call per condition inside ``cache_context(<its identifier>)``; CFG runs a step when the
         guider has exactly the two conditions ``cond`` / ``uncond`` (ClassifierFreeGuidance:
         ``pred_cond`` / ``pred_uncond``; it may switch CFG off for some steps); guiders with more

@@ -2,18 +2,20 @@
 
     python benchmarks/bench_sparse_selector.py            # S = 32,760 (grid 21x30x52), 1 head, D = 128
     python benchmarks/bench_sparse_selector.py --quick    # S = 8,192
+    python benchmarks/bench_sparse_selector.py --seq 16384 --heads 2 --name sparse_selector_cost_s16384_h2
 
 Times, interleaved in one process: dense SDPA on the same tensors, and the mask building of each
 selector as sparse_attention runs it on the reordered q, k (``block_scores`` + ``select_blocks``
 with the first-frame sink and the diagonal forced; the reordering itself is shared by both
-selectors and not counted). Medians over ``--reps`` rounds. Writes
-benchmarks/results/sparse_selector_cost.{md,json}.
+selectors and not counted), one head at a time as sparse_attention runs it. Medians over ``--reps``
+rounds. Writes benchmarks/results/sparse_selector_cost.{md,json} (or ``--name``).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -37,9 +39,10 @@ def build_mask(q, k, grid, block, selector, reps, sparsity=0.8):
     q_tok[-1] = q.shape[2] - (nqb - 1) * block
     kv_tok = q_tok.clone()
     reps = reps or DEFAULT_SELECTOR_REPS
-    score, probs = block_scores(q, k, block, q.shape[-1] ** -0.5, selector, reps[0], reps[1])
     keep = math.ceil((1 - sparsity) * nkb)
-    return select_blocks(score, probs, keep, fk, fk, diag, 1.0, q_tok, kv_tok, "reference")
+    for h in range(q.shape[1]):
+        score, probs = block_scores(q[:, h:h + 1], k[:, h:h + 1], block, q.shape[-1] ** -0.5, selector, reps[0], reps[1])
+        select_blocks(score, probs, keep, fk, fk, diag, 1.0, q_tok, kv_tok, "reference")
 
 
 def main():
@@ -48,13 +51,16 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--seq", type=int, default=None, choices=sorted(GRIDS), help="sequence length (default 32760)")
+    ap.add_argument("--heads", type=int, default=1)
+    ap.add_argument("--name", default=None, help="results file stem")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    s = 8192 if args.quick else 32760
+    s = args.seq or (8192 if args.quick else 32760)
     grid = GRIDS[s]
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 1, s, 128, generator=gen).to(dtype) for _ in range(3))
+    q, k, v = (torch.randn(1, args.heads, s, 128, generator=gen).to(dtype) for _ in range(3))
     block = 128
     times = {"dense SDPA": []}
     times.update({name: [] for name, _, _ in SELECTORS})
@@ -70,12 +76,13 @@ def main():
     rows, data = [], []
     for name, ts in times.items():
         m = median(ts)
-        rows.append([name, f"{m * 1e3:.1f} ms", f"{100 * m / dense:.2f}%"])
-        data.append(dict(name=name, seconds=ts, median=m, fraction_of_dense=m / dense))
-    text = (f"### Block-selection cost vs dense attention\n\n{environment()}; S = {s} (grid {grid}), 1 head, "
-            f"D = 128, {args.dtype}, block 128, sparsity 0.8, first-frame and diagonal blocks forced; medians of "
-            f"{args.reps} interleaved rounds.\n\n" + markdown_table(["", "median", "% of dense SDPA"], rows))
-    write("sparse_selector_cost" + ("_quick" if args.quick else ""), text, data)
+        rows.append([name, f"{m * 1e3:.1f} ms", f"{m * 1e3 / args.heads:.1f} ms", f"{100 * m / dense:.2f}%"])
+        data.append(dict(name=name, seconds=ts, median=m, fraction_of_dense=m / dense, heads=args.heads, S=s))
+    text = (f"### Block-selection cost vs dense attention\n\n{environment()}; load average at the end "
+            f"{os.getloadavg()[0]:.2f}; S = {s} (grid {grid}), {args.heads} head(s), D = 128, {args.dtype}, block "
+            f"128, sparsity 0.8, first-frame and diagonal blocks forced; medians of {args.reps} interleaved rounds."
+            f"\n\n" + markdown_table(["", "median", "per head", "% of dense SDPA"], rows))
+    write(args.name or ("sparse_selector_cost" + ("_quick" if args.quick else "")), text, data)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ against the nominal ideal 1/(1-s), so it runs on a selection of exactly ``ceil((
 blocks per row (same selector, ``keep_recent=False``; "kernel density" column); the only excess
 over 1-s left there is the rounding up of the block count.
 Each repetition runs dense SDPA, then every (sparsity, backend) configuration once (interleaved);
-medians are reported. Backends: "cpp" (the C++ kernel, torch.ops.lite_boost) at every sparsity
+medians are reported. For the rows of the C++ backend the mask building alone (``block_scores`` +
+``select_blocks`` per head on the already reordered q, k, as the call runs them) is timed in the same
+rounds: "selection s" and its share of the whole call. Backends: "cpp" (the C++ kernel, torch.ops.lite_boost) at every sparsity
 including 0 (every block selected: sparse_attention would run dense SDPA there, so that row times
 ``rain_fusion_attention`` with a full selection); "flex" (compiled FlexAttention) and "gather" (pure PyTorch)
 at 0.5 / 0.8 / 0.9; the 12-head shapes, which are expensive, run sparsity 0 (cpp) and 0.8 only. Repetitions:
@@ -39,14 +41,15 @@ from bench_sparse_common import GRIDS, RESULTS, environment, markdown_table, med
 
 from lite_boost.ops import _ext
 from lite_boost.ops._sparse_layout import token_order
+from lite_boost.ops._sparse_mask import block_scores, select_blocks
 from lite_boost.ops.rain_fusion import rain_fusion_attention
-from lite_boost.ops.sparse import SparseStats, sparse_attention
+from lite_boost.ops.sparse import DEFAULT_SELECTOR_REPS, SparseStats, sparse_attention
 
 WINDOW = (2, 8, 8)
 BLOCK = 128
 HEADERS = ["S", "heads", "dtype", "sparsity", "backend", "selector", "effective sparsity", "dense SDPA s", "sparse call s",
            "speed-up", "ideal", "% of ideal", "kernel density", "kernel only s", "kernel speed-up", "kernel % of ideal",
-           "kernel % of ideal at its density", "runs"]
+           "kernel % of ideal at its density", "selection s", "selection % of call", "runs"]
 
 
 def configs(heads, backends, sparsities, big=False):
@@ -62,6 +65,21 @@ def configs(heads, backends, sparsities, big=False):
             if b == "cpp" and sp == 0.8:
                 out.append((sp, b, "subblock"))  # the library's default selector, for its cost
     return out
+
+
+def selection(qc, kc, sparsity, selector):
+    """The mask building of one call on reordered q, k (B, N, S, D): per head, the scores of
+    ``selector`` and the top-k with each query block's diagonal block forced (keep_sink=False, no text)."""
+    nb = -(-qc.shape[2] // BLOCK)
+    keep = max(1, math.ceil((1.0 - sparsity) * nb))
+    none = torch.zeros(nb, dtype=torch.bool)
+    diag = torch.arange(nb)
+    tok = torch.full((nb,), BLOCK)
+    tok[-1] = qc.shape[2] - (nb - 1) * BLOCK
+    reps = tuple(min(r, BLOCK) for r in DEFAULT_SELECTOR_REPS)
+    for h in range(qc.shape[1]):
+        score, probs = block_scores(qc[:, h:h + 1], kc[:, h:h + 1], BLOCK, qc.shape[-1] ** -0.5, selector, *reps)
+        select_blocks(score, probs, keep, none, none, diag, 1.0, tok, tok, "reference")
 
 
 def run_shape(s, heads, dtype, backends, sparsities, reps, d=128, kernel_only=False):
@@ -107,7 +125,7 @@ def run_shape(s, heads, dtype, backends, sparsities, reps, d=128, kernel_only=Fa
                                      kv_input_layout="BNSD", backend=cfg[1])
 
     F.scaled_dot_product_attention(q, k, v)
-    dense_t, sparse_t, kern_t = [], {c: [] for c in cfgs}, {c: [] for c in cfgs}
+    dense_t, sparse_t, kern_t, sel_t = [], {c: [] for c in cfgs}, {c: [] for c in cfgs}, {c: [] for c in cfgs}
     for _ in range(reps):
         dense_t.append(timed(lambda: F.scaled_dot_product_attention(q, k, v))[0])
         for cfg in cfgs:
@@ -123,6 +141,8 @@ def run_shape(s, heads, dtype, backends, sparsities, reps, d=128, kernel_only=Fa
                 stats[cfg] = st
             if (heads == 1 or cfg[1] == "cpp") and cfg[2] == "reference":
                 kern_t[cfg].append(timed(lambda: kernel(cfg))[0])
+            if cfg[1] == "cpp":
+                sel_t[cfg].append(timed(lambda: selection(qc, kc, cfg[0], cfg[2]))[0])
     dm = median(dense_t)
     rows, data = [], []
     for cfg in cfgs:
@@ -131,13 +151,14 @@ def run_shape(s, heads, dtype, backends, sparsities, reps, d=128, kernel_only=Fa
         assert st.backend == backend, (st.backend, backend)
         fm = median(sparse_t[cfg]) if sparse_t[cfg] else float("nan")
         km = median(kern_t[cfg]) if kern_t[cfg] else float("nan")
+        sm = median(sel_t[cfg]) if sel_t[cfg] else float("nan")
         ideal = 1.0 / (1.0 - sp)
         rec = dict(S=s, heads=heads, grid=grid, dtype=str(dtype).replace("torch.", ""), sparsity=sp, backend=backend,
                    selector=selector,
                    effective_sparsity=round(st.effective_sparsity, 4), kernel_density=round(kdens[cfg], 4), dense_s=dm, sparse_s=fm, speedup=dm / fm,
                    ideal=ideal, frac_ideal=dm / fm / ideal, kernel_s=km, kernel_speedup=dm / km,
-                   kernel_frac_ideal=dm / km / ideal, reps=reps, dense_all=dense_t, sparse_all=sparse_t[cfg],
-                   kernel_all=kern_t[cfg])
+                   kernel_frac_ideal=dm / km / ideal, selection_s=sm, reps=reps, dense_all=dense_t,
+                   sparse_all=sparse_t[cfg], kernel_all=kern_t[cfg], selection_all=sel_t[cfg])
         data.append(rec)
         rows.append(row_of(rec))
         print(rows[-1], flush=True)
@@ -147,9 +168,11 @@ def run_shape(s, heads, dtype, backends, sparsities, reps, d=128, kernel_only=Fa
 def row_of(r):
     dm, fm, km, ideal, eff = r["dense_s"], r["sparse_s"], r["kernel_s"], r["ideal"], r["effective_sparsity"]
     kd = r.get("kernel_density", 1.0 - eff)  # results of older runs: the kernel ran the whole call's selection
+    sel = r.get("selection_s", float("nan"))  # not timed before
     return [r["S"], r["heads"], r["dtype"], r["sparsity"], r["backend"], r["selector"], f"{eff:.3f}", f"{dm:.3f}",
             f"{fm:.3f}", f"{dm / fm:.2f}x", f"{ideal:.2f}x", f"{100 * dm / fm / ideal:.0f}%", f"{kd:.3f}", f"{km:.3f}",
-            f"{dm / km:.2f}x", f"{100 * dm / km / ideal:.0f}%", f"{100 * dm / km * kd:.0f}%", r["reps"]]
+            f"{dm / km:.2f}x", f"{100 * dm / km / ideal:.0f}%", f"{100 * dm / km * kd:.0f}%",
+            "-" if sel != sel else f"{sel:.4f}", "-" if sel != sel or fm != fm else f"{100 * sel / fm:.1f}%", r["reps"]]
 
 
 def plot(data, path):

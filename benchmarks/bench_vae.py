@@ -1,6 +1,12 @@
 """Parallel VAE speed and memory: 2 processes x 1 thread vs 1 process x 1 thread, plus a Wan2.1 model.
 
     flock /tmp/lite_boost_cpu.lock python benchmarks/bench_vae.py --height 128 --width 128 --repeats 3
+    flock /tmp/lite_boost_cpu.lock python benchmarks/bench_vae.py --vae wan2.2-5b --latent-frames 3 --kinds decode
+
+``--vae small`` (default): the small trained Wan VAE of the seam study (random weights if absent).
+``--vae wan2.2-5b``: the 48-channel VAE of Wan2.2-TI2V-5B at its released size (base_dim 160, decoder
+base_dim 256, z_dim 48, residual up / down blocks, patch 2, 16x spatial; 705 M parameters), random
+weights, decoding random latents.
 
 Two gloo ranks are spawned. Each repeat, for each mode (exact, chunked at the adapter's default
 overlap) and each call (decode of 21 latent frames, encode of the 81-frame video):
@@ -32,6 +38,32 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 WEIGHTS = os.path.join(ROOT, "tests", "data", "wan_vae_small")
+# AutoencoderKLWan of Wan-AI/Wan2.2-TI2V-5B-Diffusers (vae/config.json; latents_mean / std left at the
+# defaults: they do not enter decode / encode)
+WAN22_5B_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                    attn_scales=[], temperal_downsample=[False, True, True], dropout=0.0, is_residual=True,
+                    in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4)
+VAES = ("small", "wan2.2-5b")
+
+
+def build_vae(args):
+    """The benchmarked VAE: ``args.vae`` "small" (trained weights if present) or "wan2.2-5b" (random)."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    if args.vae == "wan2.2-5b":
+        return AutoencoderKLWan(**WAN22_5B_VAE).eval()
+    if os.path.exists(os.path.join(args.weights, "config.json")):
+        return AutoencoderKLWan.from_pretrained(args.weights).eval()
+    from train_small_wan_vae import SMALL_WAN_VAE
+
+    return AutoencoderKLWan(**SMALL_WAN_VAE).eval()
+
+
+def vae_desc(args) -> str:
+    if args.vae == "wan2.2-5b":
+        return "Wan2.2-TI2V-5B VAE (48 channels, released size, random weights; random latents)"
+    return f"small trained Wan VAE ({os.path.relpath(args.weights, ROOT)})"
 
 
 # ------------------------------------------------------------------------------------------ memory
@@ -152,24 +184,22 @@ def _rank(rank, world, init_file, args, out_dir):
     torch.set_num_threads(1)
     _setup_process(rank, args)
     import torch.distributed as dist
-    from diffusers import AutoencoderKLWan
-    from train_small_wan_vae import SMALL_WAN_VAE, procedural_video
+    from train_small_wan_vae import procedural_video
 
     from lite_boost.parallel.groups import init_mesh
-    from lite_boost.parallel.vae import parallel_vae_state, parallelize_vae, unparallelize_vae
+    from lite_boost.parallel.vae import parallelize_vae, unparallelize_vae
 
     mesh = init_mesh({"timeout_s": 1800}, init_method="file://" + init_file)
-    if os.path.exists(os.path.join(args.weights, "config.json")):
-        vae = AutoencoderKLWan.from_pretrained(args.weights).eval()
-    else:
-        torch.manual_seed(0)
-        vae = AutoencoderKLWan(**SMALL_WAN_VAE).eval()
+    vae = build_vae(args)
     frames = 1 + 4 * (args.latent_frames - 1)
     video = procedural_video(torch.Generator().manual_seed(5), frames, args.height, args.width).unsqueeze(0)
+    z_dim, scale = vae.config.z_dim, vae.spatial_compression_ratio
+    random_latents = args.random_latents or args.vae == "wan2.2-5b"
     with torch.no_grad():
-        z = vae._encode(video)[:, :16].contiguous() if not args.random_latents else None
+        z = vae._encode(video)[:, :z_dim].contiguous() if not random_latents else None
     if z is None:
-        z = torch.randn(1, 16, args.latent_frames, args.height // 8, args.width // 8)
+        z = torch.randn(1, z_dim, args.latent_frames, args.height // scale, args.width // scale,
+                        generator=torch.Generator().manual_seed(6))
     calls = {"decode": lambda: vae.decode(z).sample, "encode": lambda: vae.encode(video).latent_dist.mean}
     res = []
     stats = mesh.world.enable_stats()
@@ -329,6 +359,8 @@ def main(argv=None):
     p.add_argument("--pin", nargs="?", const="yes", default="no", choices=["no", "yes", "both"],
                    help="bind rank r to CPU core r (baseline and parallel alike); both: alternate unpinned and "
                         "pinned repeats in the same processes")
+    p.add_argument("--vae", choices=VAES, default="small",
+                   help="small: the trained small Wan VAE; wan2.2-5b: Wan2.2-TI2V-5B's VAE, released size, random")
     p.add_argument("--random-latents", action="store_true", help="decode random latents instead of encoded video")
     p.add_argument("--model-only", action="store_true")
     p.add_argument("--assume-tflops", type=float, default=100.0)
@@ -343,7 +375,7 @@ def main(argv=None):
         args.load_before = f"{os.getloadavg()[0]:.2f}"
         rows = measure(args)
         print(f"load average before / after: {args.load_before} / {os.getloadavg()[0]:.2f}; "
-              f"small trained Wan VAE ({os.path.relpath(args.weights, ROOT)}), fp32, {args.latent_frames} latent frames -> "
+              f"{vae_desc(args)}, fp32, {args.latent_frames} latent frames -> "
               f"{1 + 4 * (args.latent_frames - 1)} x {args.height} x {args.width} video; 1 process x 1 thread vs "
               f"2 processes x 1 thread (gloo); {_setup_desc(args)}; median of {args.repeats} interleaved runs\n")
         print("| mode | call | 1x1 s | 2x1 s | speedup | max abs diff vs 1x1 | peak RSS growth MiB 1x1 / r0 / r1 "

@@ -38,6 +38,8 @@ def build_parser(description: str, default_output: str) -> argparse.ArgumentPars
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sequence-degree", type=int, default=None,
                     help="ranks sharing one sequence (default: world size / cfg degree)")
+    ap.add_argument("--ulysses-degree", type=int, default=None, help="sequence ranks on Ulysses (all_to_all)")
+    ap.add_argument("--ring-degree", type=int, default=None, help="sequence ranks on Ring attention (default 1)")
     ap.add_argument("--cfg-degree", type=int, default=1, choices=(1, 2),
                     help="2: conditional and unconditional passes on different ranks")
     ap.add_argument("--sparsity", type=float, default=0.0, help="block-sparse self-attention, 0 = dense")
@@ -57,6 +59,7 @@ def boost_config(args):
         attention_backend=args.attention_backend,
         sparse=sparse,
         parallel=ParallelConfig(sequence_degree=args.sequence_degree, cfg_degree=args.cfg_degree,
+                                ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree,
                                 timeout_s=args.timeout),
     )
 

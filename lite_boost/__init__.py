@@ -6,7 +6,7 @@
     pipe = ParallelManager(pipe)                      # under torchrun: sequence / CFG parallel
 """
 
-from .config import BoostConfig, CacheConfig, ConfigError, ParallelConfig, SparseConfig
+from .config import BoostConfig, CacheConfig, ConfigError, ParallelConfig, QuantConfig, SparseConfig
 
 __version__ = "0.1.0"
 
@@ -16,6 +16,7 @@ __all__ = [
     "CacheConfig",
     "ConfigError",
     "ParallelConfig",
+    "QuantConfig",
     "SparseConfig",
     "boost",
     "unboost",

@@ -20,8 +20,8 @@ def boost(target, config=None):
     """Patch a supported diffusers pipeline or model in place for faster inference and return it.
 
     ``config`` may be a :class:`BoostConfig`, a :class:`SparseConfig` / :class:`ParallelConfig` /
-    :class:`CacheConfig`, a mapping with the same keys, or None (defaults: automatic attention
-    backend, dense attention, no step caching).
+    :class:`CacheConfig` / :class:`QuantConfig`, a mapping with the same keys, or None (defaults:
+    automatic attention backend, dense attention, no step caching, full-precision weights).
     The config is validated and the target's class looked up before anything is modified (a feature
     the target's family lacks raises ``ConfigError`` naming the option). Boosting again with the same
     config is a no-op; with another config the previous boost is replaced.
@@ -35,11 +35,15 @@ def boost(target, config=None):
         from .cache import check_cache_support
 
         check_cache_support(target, config.cache)  # method / model fit, before anything is modified
+    if config.quant is not None:
+        from .quant import check_quant_support
+
+        check_quant_support(target, config.quant)  # layers, device, dtype: before anything is modified
     return fn(target, config)
 
 
 def unboost(target):
-    """Restore the original diffusers processors and modules of a boosted target; returns it."""
+    """Restore the original diffusers processors, modules and (quantized) weights of a boosted target; returns it."""
     fn = lookup(target)
     undo = getattr(fn, "unboost", None)
     if undo is None:
@@ -78,6 +82,23 @@ def _layout(target, fn, family, sequence_degree: int):
     return pplan, models, plans
 
 
+def _rank_device(mesh, device, move_to_device):
+    """The device this rank's model will run on, for checks made before the mesh exists (None: where it is)."""
+    import torch
+
+    if not move_to_device:
+        return None
+    if mesh is not None:
+        dev = mesh.device
+    elif device is not None:
+        dev = torch.device(device)
+    else:
+        from .parallel.groups import default_device, read_torchrun_env
+
+        dev = default_device(read_torchrun_env()[1])
+    return None if dev.type == "cpu" else dev
+
+
 def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=None,
                     init_method: str | None = None, device=None, move_to_device: bool = True):
     """Make ``target`` (a supported pipeline or transformer) run sequence / CFG parallel; returns ``target``.
@@ -86,7 +107,8 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
         target: a supported diffusers pipeline (``lite-boost models`` lists them: Wan T2V / I2V incl.
             Wan2.2's two-transformer variants, Qwen-Image / -Edit / -Edit-Plus) or transformer.
         config: BoostConfig / ParallelConfig / mapping / None. ``parallel.cfg_degree`` (1 or 2) and
-            ``parallel.sequence_degree`` (default world_size // cfg_degree) shape the mesh;
+            ``parallel.sequence_degree`` (default world_size // cfg_degree) shape the mesh, split
+            into ``ulysses_degree`` x ``ring_degree`` (default: all sequence ranks on Ulysses);
             ``parallel.timeout_s`` bounds every collective; ``parallel.vae_parallel`` ("exact" by default
             on more than one rank where the VAE has a parallel adapter, "chunked" or "off") spreads
             ``target.vae``'s decode / encode over all ranks (:mod:`lite_boost.parallel.vae`).
@@ -119,7 +141,8 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
     pplan, models, plans = _layout(target, fn, family, seq_degree)
     if family is not None:
         family.check_config(config)
-    if cfg_degree > 1 and (pplan is None or pplan.cfg is None or pplan.cfg.kind == "none"):
+    cfg_plan = pplan.cfg_for(target) if pplan is not None else None
+    if cfg_degree > 1 and (cfg_plan is None or cfg_plan.kind == "none"):
         raise ConfigError(
             f"cfg_degree={cfg_degree} needs a pipeline that runs classifier-free guidance; "
             f"{type(target).__name__} is not one. Valid cfg_degree here: [1]"
@@ -131,11 +154,21 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
         from .cache import check_cache_support
 
         check_cache_support(target, config.cache, cfg_degree=cfg_degree)  # method / model fit
+    if config.quant is not None:  # layers, device, dtype (every rank quantizes its copy of the same weights)
+        from .quant import check_quant_support
+
+        check_quant_support(target, config.quant, device=_rank_device(mesh, device, move_to_device))
+    from .parallel.ring import check_ring_support
+
+    check_ring_support(config, mesh=mesh, device=device)  # kernels without lse under ring: before any collective
     if mesh is None:
         mesh = init_mesh(config.parallel, init_method=init_method, device=device)
 
     unparallelize(target)
+    move = move_to_device and mesh.device.type != "cpu" and hasattr(target, "to")
+    if move and config.quant is not None:
+        target.to(mesh.device)  # quantize where the model will run (the FP8 / W8A8 kernels check the device)
     boost(target, config)
-    if move_to_device and mesh.device.type != "cpu" and hasattr(target, "to"):
+    if move and config.quant is None:
         target.to(mesh.device)
     return parallelize(target, models, plans, pplan, config, mesh, vae_adapter=vae_adapter)

@@ -29,11 +29,10 @@ This module imports neither diffusers nor torch.distributed at import time.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from .errors import ConfigError
+from .errors import ConfigError, check_regexes
 
 __all__ = [
     "CACHE_METHODS",
@@ -129,15 +128,7 @@ class CacheParam:
                 raise _error(f"{where} must be a non-empty list of positive finite numbers, got {value!r}")
             return tuple(float(x) for x in vals)
         if k == "regexes":
-            vals = [value] if isinstance(value, str) else list(value)
-            if not vals or not all(isinstance(x, str) and x for x in vals):
-                raise _error(f"{where} must be a non-empty list of regular expressions, got {value!r}")
-            for x in vals:
-                try:
-                    re.compile(x)
-                except re.error as exc:
-                    raise _error(f"{where}: {x!r} is not a valid regular expression ({exc})") from None
-            return tuple(vals)
+            return check_regexes(where, value if isinstance(value, str) else list(value))
         raise AssertionError(k)
 
 
@@ -295,6 +286,12 @@ class CacheAdapter:
     probe_module: path of a child module that runs once per transformer call before the blocks
         (e.g. the patch embedding): a context-only diffusers hook there learns the current
         ``cache_context`` for methods that keep no per-context state (Pyramid Attention Broadcast).
+    refuse_pipelines: pipeline class name -> why no method applies to it (e.g. a pipeline that
+        calls the transformer without ``cache_context``, which diffusers' stateful hooks need);
+        subclasses included. A bare transformer is not refused.
+    timestep_scale: the pipeline's timestep is the transformer's ``timestep`` argument times this
+        (Flux pipelines pass t / 1000: 1000); the current timestep Pyramid Attention Broadcast
+        compares with its timestep ranges is on the pipeline's scale, as with diffusers alone.
     """
 
     methods: tuple[str, ...]
@@ -302,6 +299,8 @@ class CacheAdapter:
     check: Callable[[Any, str, dict], None] | None = None
     why_not: Mapping[str, str] = field(default_factory=dict)
     probe_module: str | None = None
+    refuse_pipelines: Mapping[str, str] = field(default_factory=dict)
+    timestep_scale: float = 1.0
 
 
 def check_not_cached(model) -> None:
@@ -336,6 +335,11 @@ def check_cache_support(target, cache_config, *, cfg_degree: int = 1) -> CacheAd
         raise _error(f"step caching was requested but {type(target).__name__} has no cache adapter; models with one: "
                      f"{with_cache}. Declare ModelFamily(cache=CacheAdapter(...)) in its adapter.")
     method = cache_config.method
+    refused = next((c.__name__ for c in type(target).__mro__ if c.__name__ in adapter.refuse_pipelines), None)
+    if refused is not None:
+        others = [p for p in getattr(family, "pipelines", ()) if p not in adapter.refuse_pipelines]
+        raise _error(f"step caching (cache method {method!r}) is not supported for {type(target).__name__} "
+                     f"({adapter.refuse_pipelines[refused]}); pipelines of its family with step caching: {others}")
     if method not in adapter.methods:
         why = adapter.why_not.get(method)
         raise _error(f"cache method {method!r} is not supported for {type(target).__name__}"
@@ -522,9 +526,10 @@ class CacheRuntime:
     * ``current_timestep()`` for Pyramid Attention Broadcast.
     """
 
-    def __init__(self, model, method: str, probe_module=None):
+    def __init__(self, model, method: str, probe_module=None, timestep_scale: float = 1.0):
         self.model = model
         self.method = method
+        self.timestep_scale = float(timestep_scale)  # transformer timestep argument -> the pipeline's timestep
         # a child module where a context-only diffusers hook learns the current cache_context (some
         # methods, e.g. Pyramid Attention Broadcast, keep no per-context state to read it from)
         self.probe_module = probe_module
@@ -593,7 +598,7 @@ class CacheRuntime:
         t = kwargs.get("timestep", args[1] if len(args) > 1 else None)
         if isinstance(t, torch.Tensor):
             t = float(t.detach().max()) if t.numel() else 0.0
-        self.timestep = None if t is None else float(t)
+        self.timestep = None if t is None else float(t) * self.timestep_scale
         ctx = self._context()
         key = None if ctx is None else ctx.name
         step = None if ctx is None else ctx.step_index

@@ -49,9 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="step caching with a diffusers cache hook: first_block_cache, mag_cache, taylorseer_cache, "
                           "pyramid_attention_broadcast or sea_cache, e.g. first_block_cache:threshold=0.1 "
                           "(lists and ranges with '/': mag_ratios=1/0.98/0.97)")
+    gen.add_argument("--quant", default=None, choices=["int8_dynamic", "int8_weight_only", "fp8", "w8a8_npu"],
+                     help="quantize the transformer blocks' Linear layers (torchao; w8a8_npu: torch_npu): int8_dynamic "
+                          "and int8_weight_only on CPU/CUDA, fp8 on CUDA sm89+ (bf16), w8a8_npu on Ascend")
     gen.add_argument("--config", default=None, help="YAML BoostConfig (overrides the flags above)")
     gen.add_argument("--nproc", type=int, default=1, help="processes to launch with torchrun (one per device)")
-    gen.add_argument("--sequence-degree", type=int, default=None, help="Ulysses degree (default: nproc / cfg degree)")
+    gen.add_argument("--sequence-degree", type=int, default=None,
+                     help="ranks per sequence = ulysses x ring degree (default: nproc / cfg degree)")
+    gen.add_argument("--ulysses-degree", type=int, default=None,
+                     help="sequence ranks on Ulysses (all_to_all over heads; default: sequence degree / ring degree)")
+    gen.add_argument("--ring-degree", type=int, default=None,
+                     help="sequence ranks on Ring attention (K/V passed around; default 1, or sequence degree / "
+                          "ulysses degree)")
+    gen.add_argument("--rotate-method", default="p2p", choices=["p2p", "allgather"],
+                     help="how Ring attention moves K/V: p2p (overlapped with compute, default) or allgather")
     gen.add_argument("--cfg-degree", type=int, default=1, choices=[1, 2])
     gen.add_argument("--vae-parallel", default=None, choices=["exact", "chunked", "off"],
                      help="VAE decode/encode over the ranks (default exact when --nproc > 1)")
@@ -227,6 +238,18 @@ def _validate_generate(args) -> None:
         bad("--num-frames", args.num_frames, "4k + 1 (1, 5, 9, ..., 81)")
     if args.warmup < 0:
         bad("--warmup", args.warmup, "a non-negative integer")
+    for name in ("sequence_degree", "ulysses_degree", "ring_degree"):
+        v = getattr(args, name, None)
+        if v is not None and v < 1:
+            bad("--" + name.replace("_", "-"), v, "a positive integer")
+    if getattr(args, "ulysses_degree", None) is not None or getattr(args, "ring_degree", None) is not None:
+        from lite_boost.config import ConfigError, ParallelConfig
+
+        try:  # degrees that cannot fit --nproc fail here, before torchrun starts anything
+            ParallelConfig(sequence_degree=args.sequence_degree, cfg_degree=args.cfg_degree,
+                           ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree).resolve_mesh(args.nproc)
+        except ConfigError as exc:
+            raise SystemExit(f"lite-boost generate: {exc}") from None
     if getattr(args, "vae_overlap", None) is not None:
         if args.vae_overlap < 1:
             bad("--vae-overlap", args.vae_overlap, "a positive integer")
@@ -261,16 +284,20 @@ def _sparsity(args) -> float:
 
 
 def _boost_config(args):
-    from lite_boost.config import BoostConfig, CacheConfig, ParallelConfig, SparseConfig
+    from lite_boost.config import BoostConfig, CacheConfig, ParallelConfig, QuantConfig, SparseConfig
 
     if args.config:
         return BoostConfig.from_yaml(args.config)
     sparsity = _sparsity(args)
     sparse = SparseConfig(sparsity=sparsity) if sparsity > 0 else None
     parallel = ParallelConfig(sequence_degree=args.sequence_degree, cfg_degree=args.cfg_degree,
+                              ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree,
+                              rotate_method=args.rotate_method,
                               vae_parallel=getattr(args, "vae_parallel", None), vae_overlap=getattr(args, "vae_overlap", None))
     cache = CacheConfig.parse(args.cache) if args.cache else None
-    return BoostConfig(attention_backend=args.attention_backend, sparse=sparse, parallel=parallel, cache=cache)
+    quant = QuantConfig(method=args.quant) if getattr(args, "quant", None) else None
+    return BoostConfig(attention_backend=args.attention_backend, sparse=sparse, parallel=parallel, cache=cache,
+                       quant=quant)
 
 
 def _load_pipeline(args, kind, device, dtype):
@@ -411,14 +438,22 @@ def applied_summary(pipe, config, work=None, device=None, dtype=None) -> list[st
         params = ",".join(f"{k}={v}" for k, v in config.cache.params.items())
         what = f"{config.cache.method}{'(' + params + ')' if params else ''}"
         lines.append(f"step cache: {what}: {work.summary() if work is not None else 'on'}")
+    # quantization
+    quant = [(m, st.extras.get("quant")) for m, st in zip(models, states) if st is not None and st.extras.get("quant")]
+    if config.quant is None or not quant:
+        lines.append("Linear layers: full precision")
+    else:
+        lines.append("Linear layers: " + "; ".join(q.summary(m) for m, q in quant))
     # parallel layout
     pstate = getattr(pipe, "_lite_boost_parallel", None)
     if pstate is None:
         lines.append("parallel: one process")
     else:
         mesh = pstate.mesh
-        lines.append(f"parallel: {mesh.world_size} processes, Ulysses sequence degree {mesh.sequence_degree} x "
-                     f"CFG degree {mesh.cfg_degree} over {mesh.backend}")
+        seq = (f"Ulysses sequence degree {mesh.sequence_degree}" if mesh.ring_degree == 1 else
+               f"sequence degree {mesh.sequence_degree} (Ulysses {mesh.ulysses_degree} x Ring {mesh.ring_degree}, "
+               f"{mesh.rotate_method})")
+        lines.append(f"parallel: {mesh.world_size} processes, {seq} x CFG degree {mesh.cfg_degree} over {mesh.backend}")
     return lines
 
 
@@ -449,6 +484,13 @@ def generate(args, argv: list[str]) -> int:
         device = torch.device("npu", int(os.environ.get("LOCAL_RANK", "0")))
     else:
         device = torch.device("cpu")
+    if config.quant is not None:  # a method this device cannot run: say so before any model is built
+        from lite_boost.quant import method_problem, usable_methods
+
+        why = method_problem(config.quant.method, device)
+        if why is not None:
+            raise SystemExit(f"lite-boost generate: --quant {config.quant.method} cannot run on {device} ({why}); "
+                             f"methods that can run on {device.type}: {usable_methods(device)}")
     dtype_name = _DTYPES[args.dtype] if args.dtype else ("float32" if device.type == "cpu" else "bfloat16")
     dtype = getattr(torch, dtype_name)
     kind = "i2v" if args.image else "t2v"
@@ -493,7 +535,8 @@ def generate(args, argv: list[str]) -> int:
     if stock_frames is not None:
         psnr, peak, diff = video_psnr(frames, stock_frames)
         print(f"\nmax |boosted - stock| over the video (values in [0, 1]): {diff:.2e}"
-              + (" (step caching and sparsity approximate by design)" if config.cache or config.sparse else ""))
+              + (" (step caching, sparsity and quantization approximate by design)"
+                 if config.cache or config.sparse or config.quant else ""))
         print(f"video PSNR boosted vs stock: {'inf' if psnr == float('inf') else f'{psnr:.1f}'} dB "
               f"(peak = the stock video's value range, {peak:.3f})")
     print("\napplied:")
@@ -506,6 +549,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not getattr(args, "verbose", False):
+        # torchao (imported by diffusers when installed) warns about every CUDA-only extension a CPU build of
+        # torch cannot load, and diffusers 0.42 about torchao 0.18's renamed tensor classes: noise here
+        for name in ("torchao", "diffusers.quantizers.torchao.torchao_quantizer"):
+            logging.getLogger(name).setLevel(logging.ERROR)
     if args.command == "env":
         print(env_report())
         return 0

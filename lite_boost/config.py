@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .errors import ConfigError
+from .errors import ConfigError, check_regexes
 
 __all__ = [
     "ConfigError",
@@ -21,6 +21,8 @@ __all__ = [
     "ParallelConfig",
     "BoostConfig",
     "CacheConfig",
+    "QuantConfig",
+    "QUANT_METHODS",
     "ATTENTION_BACKEND_NAMES",
     "SPARSE_BACKEND_NAMES",
 ]
@@ -33,6 +35,8 @@ SPARSE_BACKEND_NAMES = ("npu", "cpp", "flex", "gather", "reference")
 SPARSE_TYPES = (None, "rf_v2")
 SPARSE_SELECTORS = ("subblock", "reference")  # = lite_boost.ops.sparse.SELECTORS (tested)
 SPARSE_BUDGETS = ("reference", "total")  # = lite_boost.ops.sparse.BUDGETS (tested)
+ROTATE_METHODS = ("p2p", "allgather")  # Ring attention K/V movement (lite_boost.parallel.ring)
+QUANT_METHODS = ("int8_dynamic", "int8_weight_only", "fp8", "w8a8_npu")  # = lite_boost.quant.QUANT_METHOD_INFO (tested)
 
 
 def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None, allow_none=False):
@@ -179,9 +183,17 @@ class SparseConfig(_ConfigMixin):
 
 @dataclass(frozen=True)
 class ParallelConfig(_ConfigMixin):
-    """Process mesh (cfg x sequence) for ``ParallelManager``.
+    """Process mesh (cfg x ring x ulysses) for ``ParallelManager``.
 
-    sequence_degree: ranks that share one sequence (Ulysses); None = world_size // cfg_degree.
+    sequence_degree: ranks that share one sequence (= ulysses_degree x ring_degree); None =
+        world_size // cfg_degree.
+    ulysses_degree / ring_degree: how the sequence ranks split between Ulysses (all_to_all over
+        heads, contiguous ranks: inside a node) and Ring attention (K/V passed around strided ranks:
+        across nodes); the names diffusers and xDiT use. None: the other degree's complement in
+        sequence_degree; both None = every sequence rank on Ulysses (ring_degree 1).
+    rotate_method: how Ring attention moves K/V: "p2p" (default: the next chunk is sent and received
+        point to point while the current one is computed, double-buffered) or "allgather" (one
+        all_gather of every chunk up front, then the same loop; O(S) memory, nothing overlapped).
     cfg_degree: 1 or 2 (conditional and unconditional passes on different rank groups).
     timeout_s: collective timeout in seconds; a dead or failing rank makes the others exit.
     backend: torch.distributed backend (None = nccl on CUDA, hccl on NPU, gloo on CPU).
@@ -201,6 +213,9 @@ class ParallelConfig(_ConfigMixin):
 
     sequence_degree: int | None = None
     cfg_degree: int = 1
+    ulysses_degree: int | None = None
+    ring_degree: int | None = None
+    rotate_method: str = "p2p"
     timeout_s: float = 600.0
     backend: str | None = None
     vae_parallel: str | bool | None = None
@@ -211,6 +226,9 @@ class ParallelConfig(_ConfigMixin):
     def __post_init__(self):
         _check_int("sequence_degree", self.sequence_degree, lo=1, allow_none=True)
         _check_choice("cfg_degree", self.cfg_degree, (1, 2))
+        _check_int("ulysses_degree", self.ulysses_degree, lo=1, allow_none=True)
+        _check_int("ring_degree", self.ring_degree, lo=1, allow_none=True)
+        _check_choice("rotate_method", self.rotate_method, ROTATE_METHODS)
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
         _check_choice("backend", self.backend, (None, "gloo", "nccl", "hccl"))
@@ -232,20 +250,55 @@ class ParallelConfig(_ConfigMixin):
 
     def resolve(self, world_size: int) -> tuple[int, int]:
         """Return (cfg_degree, sequence_degree) for ``world_size`` or raise listing valid choices."""
+        cfg, ulysses, ring = self.resolve_mesh(world_size)
+        return cfg, ulysses * ring
+
+    def resolve_mesh(self, world_size: int) -> tuple[int, int, int]:
+        """Return (cfg_degree, ulysses_degree, ring_degree) for ``world_size`` or raise listing valid choices.
+
+        The error for Ulysses / Ring degrees that do not fit names every valid (ulysses, ring) pair
+        for this world size and cfg_degree (and sequence_degree, when given).
+        """
         _check_int("world_size", world_size, lo=1)
         if world_size % self.cfg_degree:
             raise ConfigError(
                 f"cfg_degree={self.cfg_degree} does not divide world_size={world_size}; "
                 f"valid cfg_degree values: {[c for c in (1, 2) if world_size % c == 0]}"
             )
-        seq = self.sequence_degree if self.sequence_degree is not None else world_size // self.cfg_degree
+        u, r = self.ulysses_degree, self.ring_degree
+        if self.sequence_degree is not None:
+            seq = self.sequence_degree
+        elif u is not None and r is not None:
+            seq = u * r
+        else:
+            seq = world_size // self.cfg_degree
         if seq * self.cfg_degree != world_size:
+            if self.sequence_degree is None:  # the product of the two given degrees does not fit
+                raise self._pairs_error(world_size, f"ulysses_degree={u} x ring_degree={r} x cfg_degree="
+                                                    f"{self.cfg_degree} must equal world_size={world_size}")
             valid = [d for d in range(1, world_size + 1) if d * self.cfg_degree == world_size]
             raise ConfigError(
                 f"sequence_degree={seq} x cfg_degree={self.cfg_degree} must equal world_size={world_size}; "
                 f"valid sequence_degree for this cfg_degree: {valid}"
             )
-        return self.cfg_degree, seq
+        if u is None and r is None:
+            return self.cfg_degree, seq, 1
+        if u is None:
+            u = seq // r if seq % r == 0 else None
+        elif r is None:
+            r = seq // u if seq % u == 0 else None
+        if u is None or r is None or u * r != seq:
+            given = ", ".join(f"{n}={v}" for n, v in (("ulysses_degree", self.ulysses_degree),
+                                                      ("ring_degree", self.ring_degree)) if v is not None)
+            raise self._pairs_error(world_size, f"{given} does not fit sequence_degree={seq} "
+                                                f"(world_size={world_size} / cfg_degree={self.cfg_degree})")
+        return self.cfg_degree, u, r
+
+    def _pairs_error(self, world_size: int, what: str) -> ConfigError:
+        seq = self.sequence_degree if self.sequence_degree is not None else world_size // self.cfg_degree
+        pairs = [(d, seq // d) for d in range(1, seq + 1) if seq % d == 0]
+        return ConfigError(f"{what}; valid (ulysses_degree, ring_degree) pairs for world_size={world_size}, "
+                           f"cfg_degree={self.cfg_degree}: {pairs}")
 
 
 @dataclass(frozen=True)
@@ -298,6 +351,53 @@ class CacheConfig(_ConfigMixin):
 
 
 @dataclass(frozen=True)
+class QuantConfig(_ConfigMixin):
+    """Quantized Linear layers (see :mod:`lite_boost.quant`).
+
+    method: "int8_dynamic" (int8 weights x int8 activations, dynamic per token; CPU, CUDA),
+        "int8_weight_only" (int8 weights; CPU, CUDA), "fp8" (float8_e4m3 weights x activations,
+        dynamic; CUDA sm89+, bfloat16 models) or "w8a8_npu" (int8 x int8 through
+        ``torch_npu.npu_quant_matmul``; Ascend, float16 / bfloat16 models).
+    include: regular expressions matched against whole module names inside the transformer (e.g.
+        ``r"blocks\.\d+\.ffn\..*"``); the nn.Linear layers that match are quantized. None = the
+        model adapter's default (Wan: every Linear of the transformer blocks: attention projections
+        and feed-forward; the embeddings, norms, final projection and modulation tables stay in
+        full precision).
+    exclude: regular expressions; matching layers stay in full precision.
+    keep_original: keep the original full-precision weights so that ``unboost`` restores them bit
+        for bit and ``save_pretrained`` writes them (on the CPU they stay where they are; on an
+        accelerator a host copy is kept). False frees them: unboost / save_pretrained then refuse.
+
+    ``QuantConfig.parse("int8_dynamic")`` reads the CLI form; ``{"quant": "int8_dynamic"}`` works too.
+    """
+
+    method: str = "int8_dynamic"
+    include: tuple[str, ...] | None = None
+    exclude: tuple[str, ...] = ()
+    keep_original: bool = True
+
+    def __post_init__(self):
+        _check_choice("method", self.method, QUANT_METHODS)
+        if self.include is not None:  # [] would quantize nothing: None means the model's default layers
+            object.__setattr__(self, "include", check_regexes("quant include", self.include))
+        object.__setattr__(self, "exclude", check_regexes("quant exclude", self.exclude, allow_empty=True))
+        _check_bool("keep_original", self.keep_original)
+
+    @classmethod
+    def from_dict(cls, data):
+        if isinstance(data, str):
+            return cls.parse(data)
+        return super().from_dict(data)
+
+    @classmethod
+    def parse(cls, spec: str) -> "QuantConfig":
+        """``"METHOD"``, e.g. ``"int8_dynamic"``."""
+        if not isinstance(spec, str):
+            raise ConfigError(f"quant must be one of {list(QUANT_METHODS)}, got {spec!r}")
+        return cls(method=spec.strip().replace("-", "_"))
+
+
+@dataclass(frozen=True)
 class BoostConfig(_ConfigMixin):
     """Top-level config for ``lite_boost.boost`` / ``ParallelManager``.
 
@@ -306,6 +406,7 @@ class BoostConfig(_ConfigMixin):
     sparse: SparseConfig or None (dense self-attention).
     parallel: ParallelConfig.
     cache: CacheConfig, a mapping, a "METHOD[:PARAM=VALUE,...]" string, or None (no step caching).
+    quant: QuantConfig, a mapping, a method name string, or None (full-precision Linear layers).
     """
 
     attention_backend: str | None = None
@@ -313,6 +414,7 @@ class BoostConfig(_ConfigMixin):
     sparse: SparseConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache: CacheConfig | None = None
+    quant: QuantConfig | None = None
 
     def __post_init__(self):
         _check_choice("attention_backend", self.attention_backend, (None,) + ATTENTION_BACKEND_NAMES)
@@ -330,6 +432,11 @@ class BoostConfig(_ConfigMixin):
         if self.cache is not None and not isinstance(self.cache, CacheConfig):
             raise ConfigError(f"cache must be a CacheConfig, a mapping, a 'METHOD[:PARAM=VALUE,...]' string or None, "
                               f"got {type(self.cache).__name__}")
+        if isinstance(self.quant, (Mapping, str)):
+            object.__setattr__(self, "quant", QuantConfig.from_dict(self.quant))
+        if self.quant is not None and not isinstance(self.quant, QuantConfig):
+            raise ConfigError(f"quant must be a QuantConfig, a mapping, a method name {list(QUANT_METHODS)} or None, "
+                              f"got {type(self.quant).__name__}")
 
     @classmethod
     def coerce(cls, config: "BoostConfig | SparseConfig | ParallelConfig | Mapping | None") -> "BoostConfig":
@@ -344,13 +451,15 @@ class BoostConfig(_ConfigMixin):
             return cls(parallel=config)
         if isinstance(config, CacheConfig):
             return cls(cache=config)
+        if isinstance(config, QuantConfig):
+            return cls(quant=config)
         if isinstance(config, Mapping):
             return cls.from_dict(config)
         raise ConfigError(
-            "config must be a BoostConfig, SparseConfig, ParallelConfig, a mapping or None, "
+            "config must be a BoostConfig, SparseConfig, ParallelConfig, CacheConfig, QuantConfig, a mapping or None, "
             f"got {type(config).__name__}"
         )
 
 
 _NESTED = {("BoostConfig", "sparse"): SparseConfig, ("BoostConfig", "parallel"): ParallelConfig,
-           ("BoostConfig", "cache"): CacheConfig}
+           ("BoostConfig", "cache"): CacheConfig, ("BoostConfig", "quant"): QuantConfig}

@@ -45,9 +45,11 @@ class SparseSchedule:
         return computed_at is not None and 0 <= step - computed_at < self.config.mask_reuse_steps
 
 
-def _first_timestep(timestep) -> float:
+def _noise_level(timestep) -> float:
+    """The call's noise level: the largest timestep (Wan2.2 TI2V image-to-video gives the first frame's
+    tokens timestep 0 and the others the step's timestep, in a per-token (B, S) tensor)."""
     if isinstance(timestep, torch.Tensor):
-        return float(timestep.detach().flatten()[0]) if timestep.numel() else 0.0
+        return float(timestep.detach().max()) if timestep.numel() else 0.0
     return float(timestep)
 
 
@@ -58,8 +60,9 @@ class StepTracker:
     attached (:meth:`attach`), the step is its scheduler's ``step_index`` (None before the first
     ``scheduler.step`` = step 0) and the total is ``len(scheduler.timesteps)``; otherwise the step
     counts distinct consecutive timesteps. A timestep larger than the previous one (noise goes
-    up) starts a new generation. ``call`` numbers the forwards inside one step (0 = conditional,
-    1 = unconditional with classifier-free guidance), so masks are never shared across CFG branches.
+    up), or a scheduler step index lower than the previous one, starts a new generation. ``call``
+    numbers the forwards inside one step (0 = conditional, 1 = unconditional with classifier-free
+    guidance), so masks are never shared across CFG branches.
     """
 
     def __init__(self):
@@ -79,12 +82,13 @@ class StepTracker:
         return getattr(pipe, "scheduler", None) if pipe is not None else None
 
     def observe(self, timestep) -> None:
-        t = _first_timestep(timestep)
+        t = _noise_level(timestep)
         restart = self._last_t is None or t > self._last_t
         sched = self._scheduler()
         if sched is not None:
             idx = getattr(sched, "step_index", None)
             step = 0 if idx is None else int(idx)
+            restart = restart or step < self.step
             ts = getattr(sched, "timesteps", None)
             self.total = len(ts) if ts is not None else None
         else:

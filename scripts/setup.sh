@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv, install lite-boost with its test and video extras and build its C++ operator library.
+# Create .venv, install lite-boost with its test (incl. torchao, for quantization) and video extras and build
+# its C++ operator library.
 # torch is installed first, pinned, so that no other requirement pulls a different (multi-GB) build.
 # On a CUDA or Ascend machine set LITE_BOOST_TORCH to the torch you want (or "skip" to keep one
 # already present in the interpreter used to create the venv with --system-site-packages).

@@ -26,7 +26,9 @@ class ToyAttention(nn.Module):
         self.qkv = nn.Linear(H * D, 3 * H * D)
         self.processor = None
 
-    def set_processor(self, processor):
+    def set_processor(self, processor):  # as diffusers': a module processor leaves the module tree when replaced
+        if isinstance(self._modules.get("processor"), nn.Module) and not isinstance(processor, nn.Module):
+            self._modules.pop("processor")
         self.processor = processor
 
     def forward(self, x, freqs, rope):
@@ -90,6 +92,55 @@ class ToyPipeline:
                                     return_dict=False)[0]
 
 
+class ToyOrderPipeline:
+    """A pipeline with true CFG as two unnamed transformer calls per step (Flux Img2Img / Kontext style):
+    the decision is local, seen only as ``encode_prompt`` running twice after ``check_inputs``."""
+
+    def __init__(self, transformer):
+        self.transformer = transformer
+
+    def check_inputs(self):
+        pass
+
+    def encode_prompt(self, per_token):
+        return per_token
+
+    def __call__(self, x, t, per_token, first_n, cfg=True, steps=2):
+        self.check_inputs()
+        cond = self.encode_prompt(per_token)
+        uncond = self.encode_prompt(per_token * 0.5 - 1.0) if cfg else None
+        pos = torch.arange(x.shape[1], dtype=torch.float32)[:, None].expand(x.shape[1], D)
+        rope = (torch.cos(0.1 * pos), torch.sin(0.1 * pos))
+        for _ in range(steps):
+            out = self.transformer(hidden_states=x, timestep=t, per_token=cond, first_n=first_n, rope=rope,
+                                   return_dict=False)[0]
+            if cfg:
+                neg = self.transformer(hidden_states=x, timestep=t, per_token=uncond, first_n=first_n, rope=rope,
+                                       return_dict=False)[0]
+                out = neg + 3.0 * (out - neg)
+            x = x - 0.1 * out
+        return x
+
+
+class ToyOrderTransformer(ToyTransformer):
+    pass
+
+
+def toy_order_family():
+    """The toy transformer with a pipeline whose CFG passes are told apart by call order."""
+    from lite_boost.adapter import AttentionSite, LiteBoostProcessor, ModelFamily
+    from lite_boost.parallel.plan import CfgPlan, GatherOutput, PipelinePlan, ShardingPlan, SplitInput
+
+    plan = ShardingPlan(split_inputs=(SplitInput("blocks.0", "hidden_states", dim=1),
+                                      SplitInput("blocks.*", "per_token", dim=1, ndim=2),
+                                      SplitInput("blocks.*", "rope", dim=0)),
+                        gather_outputs=(GatherOutput("proj_out", dim=1),))
+    cfg = CfgPlan(flag=None, encodes="encode_prompt", call_start="check_inputs", by_call_order=True)
+    return ModelFamily("toy-order", transformers=("ToyOrderTransformer",), pipelines=("ToyOrderPipeline",),
+                       attention=(AttentionSite("blocks.*.attn", LiteBoostProcessor, "self"),), sharding=plan,
+                       pipeline=PipelinePlan(transformers=("transformer",), cfg=cfg, prepare_latents=None))
+
+
 def toy_family():
     from lite_boost.adapter import AttentionSite, LiteBoostProcessor, ModelFamily
     from lite_boost.parallel.plan import (CfgPlan, GatherOutput, PipelinePlan, RankArg, ShardingPlan, SplitInput,
@@ -121,8 +172,26 @@ def toy_cases(rank, world_size, init_method):
     from lite_boost.registry import SUPPORTED_MODELS, _FAMILIES, register_family
 
     family = register_family(toy_family())
+    order_family = register_family(toy_order_family())
     try:
         out = {}
+        # separate CFG passes told apart by call order (no cache_context): cfg rank 0 computes cond, rank 1
+        # uncond, and a call without CFG (one encode) computes everything on both
+        mesh = initialize_usp({"parallel": {"cfg_degree": 2, "timeout_s": 60}}, init_method=init_method)
+        for name, cfg_on in (("order_cfg", True), ("order_no_cfg", False)):
+            torch.manual_seed(0)
+            ref_pipe = ToyOrderPipeline(lite_boost.boost(ToyOrderTransformer()))
+            x, t, per_token, first_n = inputs()
+            with torch.no_grad():
+                ref = ref_pipe(x, t, per_token, first_n, cfg=cfg_on)
+            torch.manual_seed(0)
+            pipe = ToyOrderPipeline(ToyOrderTransformer())
+            ParallelManager(pipe, {"parallel": {"cfg_degree": 2, "timeout_s": 60}}, mesh=mesh)
+            with torch.no_grad():
+                got = [pipe(x, t, per_token, first_n, cfg=cfg_on) for _ in range(2)]  # the order restarts per call
+            par = pipe.transformer._lite_boost.extras["parallel"]
+            out[name] = {"maxdiff": max((g - ref).abs().max().item() for g in got), "ref_abs": ref.abs().max().item(),
+                         "cfg_calls": dict(par.cfg.calls)}
         for name, cfg_degree in (("ulysses", 1), ("batched_cfg", 2)):
             torch.manual_seed(0)
             ref_pipe = ToyPipeline(lite_boost.boost(ToyTransformer()))
@@ -145,6 +214,7 @@ def toy_cases(rank, world_size, init_method):
                          "cfg_calls": dict(par.cfg.calls) if par.cfg is not None else None}
         return out
     finally:
-        for n in family.transformers + family.pipelines:
-            SUPPORTED_MODELS.pop(n, None)
-        _FAMILIES.pop(family.name, None)
+        for fam in (family, order_family):
+            for n in fam.transformers + fam.pipelines:
+                SUPPORTED_MODELS.pop(n, None)
+            _FAMILIES.pop(fam.name, None)

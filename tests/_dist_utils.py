@@ -105,3 +105,14 @@ def launch_fault_workers(worker: str, mode: str, world: int, faulty: int, timeou
         procs.append(subprocess.Popen([sys.executable, worker, mode, str(faulty), str(timeout_s)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
+
+
+def stop_workers(procs) -> None:
+    """Kill the still-running processes of ``launch_fault_workers`` and reap every one (output drained)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        try:
+            p.communicate(timeout=10)
+        except Exception:  # noqa: BLE001 - already reaped or unkillable: nothing more to do
+            pass

@@ -33,6 +33,17 @@ def reference_attention(q, k, v, scale=None, allowed=None):
     return torch.einsum("bnqk,bknd->bqnd", s.softmax(-1), v.double())
 
 
+def reference_lse(q, k, scale=None, allowed=None):
+    """fp64 natural-log log-sum-exp of each query row, (B, N, Sq): what the kernels return as softmax_lse."""
+    n, nk = q.shape[2], k.shape[2]
+    k = k.repeat_interleave(n // nk, dim=2)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = torch.einsum("bqnd,bknd->bnqk", q.double(), k.double()) * scale
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    return torch.logsumexp(s, dim=-1)
+
+
 def _check_half(*ts):
     for t in ts:
         if t.dtype not in (torch.float16, torch.bfloat16):
@@ -51,23 +62,37 @@ def make_flash_attn():
         allowed = None
         if causal:
             allowed = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril(k.shape[1] - q.shape[1])
-        return reference_attention(q, k, v, softmax_scale, allowed).to(q.dtype)
+        out = reference_attention(q, k, v, softmax_scale, allowed).to(q.dtype)
+        if return_attn_probs:  # documented: (out, softmax_lse (batch, nheads, seqlen) fp32, S_dmask)
+            return out, reference_lse(q, k, softmax_scale, allowed).float(), None
+        return out
 
     return _module("flash_attn", flash_attn_func=flash_attn_func)
 
 
-def make_flash_attn_interface():
-    """FlashAttention-3: flash_attn_func(q, k, v, softmax_scale=None, causal=False, ...) -> (out, softmax_lse)."""
+def make_flash_attn_interface(return_attn_probs_flag: bool = False):
+    """FlashAttention-3: flash_attn_func(q, k, v, softmax_scale=None, causal=False, ...) -> (out, softmax_lse).
+
+    ``return_attn_probs_flag``: the newer interface, which returns ``out`` alone unless called with
+    ``return_attn_probs=True`` (then ``(out, softmax_lse)``); else the releases that always return both.
+    """
+
+    def _run(q, k, v, softmax_scale, causal):
+        _check_half(q, k, v)
+        assert not causal
+        return reference_attention(q, k, v, softmax_scale).to(q.dtype), reference_lse(q, k, softmax_scale).float()
 
     def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
                         v_descale=None, window_size=(-1, -1), **kwargs):
-        _check_half(q, k, v)
-        assert not causal
-        out = reference_attention(q, k, v, softmax_scale).to(q.dtype)
-        lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
-        return out, lse
+        return _run(q, k, v, softmax_scale, causal)
 
-    return _module("flash_attn_interface", flash_attn_func=flash_attn_func)
+    def flash_attn_func_new(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
+                            v_descale=None, window_size=(-1, -1), return_attn_probs=False):
+        out, lse = _run(q, k, v, softmax_scale, causal)
+        return (out, lse) if return_attn_probs else out
+
+    return _module("flash_attn_interface",
+                   flash_attn_func=flash_attn_func_new if return_attn_probs_flag else flash_attn_func)
 
 
 def make_torch_npu():
@@ -107,4 +132,29 @@ def make_torch_npu():
             return out.flatten(2)
         return out.transpose(1, 2) if input_layout == "BNSD" else out
 
-    return _module("torch_npu", npu_prompt_flash_attention=npu_prompt_flash_attention)
+    def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_mask=None,
+                                        actual_seq_lengths=None, actual_seq_lengths_kv=None, num_heads=1,
+                                        scale=1.0, pre_tokens=2147483647, next_tokens=2147483647,
+                                        input_layout="BSH", num_key_value_heads=0, sparse_mode=0, inner_precise=0,
+                                        block_size=0, softmax_lse_flag=False, **unused):
+        """Documented: (attention_out, softmax_lse); softmax_lse (B, N, S, 1) fp32 when softmax_lse_flag."""
+        if input_layout != "BSND":
+            raise NotImplementedError("spec covers input_layout BSND")
+        if query.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"query dtype must be float16 or bfloat16, got {query.dtype}")
+        if unused:
+            raise TypeError(f"npu_fused_infer_attention_score() got unexpected keyword arguments {sorted(unused)}")
+        kvh = num_key_value_heads or num_heads
+        if query.shape[2] != num_heads or key.shape[2] != kvh:
+            raise ValueError("num_heads / num_key_value_heads do not match the tensors")
+        if sparse_mode != 0 or atten_mask is not None:
+            raise NotImplementedError("spec covers sparse_mode=0 without a mask")
+        i = torch.arange(query.shape[1])[:, None]
+        j = torch.arange(key.shape[1])[None, :]
+        allowed = (j >= i - pre_tokens) & (j <= i + next_tokens)
+        out = reference_attention(query, key, value, scale, allowed).to(query.dtype)
+        lse = reference_lse(query, key, scale, allowed).float()[..., None] if softmax_lse_flag else torch.zeros(1)
+        return out, lse
+
+    return _module("torch_npu", npu_prompt_flash_attention=npu_prompt_flash_attention,
+                   npu_fused_infer_attention_score=npu_fused_infer_attention_score)

@@ -1,9 +1,9 @@
-"""Generic adapter-layer additions that two-stack and padded-text families need (HunyuanVideo, Flux, -1.5).
+"""Generic adapter-layer additions that the HunyuanVideo families need (variant blocks, a guider, padded text).
 
-* ``AttentionSite(continues=True)``: single-stream blocks number their layers after the dual-stream ones;
 * ``RankArg(optional=True)``: a rank-dependent argument only some variants' blocks take;
-* CFG kinds "ordered" (two unnamed calls per step) and "guider" (a diffusers guider), at 2 ranks against
-  one process, and the refusal of a guider with more than two predictions before any collective;
+* CFG kind "guider" (a diffusers guider), at 2 ranks against one process, and the refusal of a guider
+  with more than two predictions before any collective (unnamed calls told apart by call order,
+  ``CfgPlan(by_call_order=True)``, are tested in test_adapter_layer.py);
 * block-sparse joint attention with padded text (the padded text tokens left out of the sparse call).
 """
 
@@ -15,34 +15,10 @@ import _dist_adapter_cases as toy
 import _dist_cfg_kinds_cases as cases
 import _dist_joint_cases as jc
 from _dist_utils import run_ranks
-from lite_boost.adapter import AttentionSite, LiteBoostProcessor, ModelFamily
+from lite_boost.adapter import LiteBoostProcessor
 from lite_boost.config import ConfigError, SparseConfig
 
 TOL = 1e-5
-
-
-# --------------------------------------------------------------------------------------- layer numbering
-class _TwoStacks(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(toy.ToyBlock() for _ in range(2))
-        self.singles = nn.ModuleList(toy.ToyBlock() for _ in range(3))
-
-
-def test_a_continued_site_numbers_its_layers_after_the_previous_sites():
-    from lite_boost.adapter.boost import match_sites
-
-    def family(continues):
-        return ModelFamily("two-stacks", transformers=("_TwoStacks",), attention=(
-            AttentionSite("blocks.*.attn", LiteBoostProcessor, "self"),
-            AttentionSite("singles.*.attn", LiteBoostProcessor, "self", continues=continues)))
-
-    model = _TwoStacks()
-    assert [(n, i) for n, _, _, i in match_sites(family(True), model)] == [
-        ("blocks.0.attn", 0), ("blocks.1.attn", 1), ("singles.0.attn", 2), ("singles.1.attn", 3), ("singles.2.attn", 4)]
-    assert [i for *_, i in match_sites(family(False), model)] == [0, 1, 0, 1, 2]  # the site's own index
-    boosted = family(True).boost_transformer(model)
-    assert sorted(p.layer_idx for p in boosted._lite_boost.self_attention_processors) == [0, 1, 2, 3, 4]
 
 
 # --------------------------------------------------------------------------------------- optional RankArg
@@ -88,9 +64,7 @@ def cfg_results():
 
 
 @pytest.mark.parametrize("name, computed, deferred", [
-    ("ordered", 8, 8),  # 2 pipeline calls x 4 steps: each rank computes one of each pair
-    ("ordered_no_cfg", 8, 0),  # no negative prompt: one call per step, every rank computes it
-    ("guider", 8, 8),
+    ("guider", 8, 8),  # 2 pipeline calls x 4 steps: each rank computes one of each pair
     ("guider_stop", 8, 4),  # the guider stops CFG after half the steps: those make one call, not split
 ])
 def test_cfg_parallel_kinds_equal_one_process(cfg_results, name, computed, deferred):
@@ -105,10 +79,6 @@ def test_cfg_plan_kinds_are_validated():
 
     with pytest.raises(PlanError, match=r"kind='guider'\) needs guider="):
         CfgPlan(kind="guider")
-    with pytest.raises(PlanError, match="needs a pipeline flag attribute"):
-        CfgPlan(kind="ordered", flag=None)
-    with pytest.raises(PlanError, match=r"kind='ordered'\) needs call_start="):
-        CfgPlan(kind="ordered")
     assert CfgPlan(kind="guider", guider="guider", flag=None).guider == "guider"
 
 

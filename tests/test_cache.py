@@ -273,3 +273,16 @@ def test_cli_generate_with_cache_prints_what_was_applied(tmp_path, capsys):
     assert "- attention backend: sdpa" in out and "- parallel: one process" in out
     with pytest.raises(SystemExit, match=r"--cache: unknown parameter\(s\) \['thresh'\]"):
         main(["generate", "--cache", "first_block_cache:thresh=1"])
+
+
+def test_cache_runtime_puts_the_timestep_on_the_pipelines_scale():
+    """CacheAdapter.timestep_scale: a transformer called with t / 1000 (Flux) reports the pipeline's t."""
+    from lite_boost.cache import CacheRuntime
+
+    model = torch.nn.Linear(2, 2)
+    runtime = CacheRuntime(model, "pyramid_attention_broadcast", timestep_scale=1000.0)
+    runtime._pre_forward(model, (), {"timestep": torch.tensor([0.25, 0.5])})
+    assert runtime.current_timestep() == 500.0
+    plain = CacheRuntime(model, "pyramid_attention_broadcast")
+    plain._pre_forward(model, (), {"timestep": torch.tensor([0.25, 0.5])})
+    assert plain.current_timestep() == 0.5

@@ -4,8 +4,6 @@ Compiles are slow on small shared CPUs, so the models are tiny, dynamo-only chec
 or a counting backend, and inductor runs only where its output is what is asserted.
 """
 
-import warnings
-
 import pytest
 import torch
 import torch._dynamo.testing
@@ -24,12 +22,8 @@ SPARSE = SparseConfig(sparsity=0.8, block_size=16, backend="gather", dense_steps
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-    torch._dynamo.reset()
+def _fresh_dynamo(fresh_dynamo):
+    yield
 
 
 def _inputs(i2v=False, grid=(3, 8, 9), seed=0):

@@ -247,4 +247,5 @@ def test_family_is_registered_with_its_features():
     assert all(features[f] is None for f in ("dense", "sparse", "sequence_parallel", "cfg_parallel", "step_cache",
                                              "compile", "quant"))
     assert "no parallel-VAE adapter" in features["parallel_vae"]
-    assert HUNYUAN_VIDEO.describe()["cfg"] == "ordered" and HUNYUAN_VIDEO.joint == "image_first"
+    assert HUNYUAN_VIDEO.describe()["cfg"] == "separate" and HUNYUAN_VIDEO.pipeline.cfg.by_call_order
+    assert HUNYUAN_VIDEO.joint == "image_first"

@@ -79,7 +79,9 @@ def test_bad_degrees_fail_before_any_collective(monkeypatch):
     with pytest.raises(ConfigError, match="vae_overlap=0|vae_overlap must be >= 1"):
         ParallelManager(pipe, {"parallel": {"vae_parallel": "chunked", "vae_overlap": 0}})
     with pytest.raises(ConfigError, match="unknown ParallelConfig key"):
-        ParallelManager(pipe, {"parallel": {"ulysses_degree": 2}})
+        ParallelManager(pipe, {"parallel": {"ring_size": 2}})
+    with pytest.raises(ConfigError, match=r"valid \(ulysses_degree, ring_degree\) pairs .*\[\(1, 4\), \(2, 2\), \(4, 1\)\]"):
+        ParallelManager(pipe, {"parallel": {"ring_degree": 3}})
     assert not lite_boost.api.is_boosted(pipe)  # nothing was touched
 
 

@@ -200,6 +200,24 @@ def test_subblock_scores_do_not_depend_on_the_working_chunk(monkeypatch, dtype):
     torch.testing.assert_close(whole.sum(-1), torch.ones_like(whole[..., 0]))
 
 
+def test_subblock_logits_on_onednn_and_on_blas_agree(monkeypatch):
+    """The logit product runs on oneDNN where PyTorch has it and on torch.matmul otherwise: the same
+    fp32 estimate either way (and the same kept blocks), GQA included."""
+    q, k, _ = qkv(9, 700, n=4, d=16, scale=1.5)
+    k = k[:, :2]
+    if mask_mod._onednn_linear() is None:
+        pytest.skip("this PyTorch has no oneDNN")
+    calls = []
+    lin = mask_mod._onednn_linear()
+    monkeypatch.setattr(mask_mod, "_onednn_linear", lambda: lambda *a: calls.append(1) or lin(*a))
+    fast, _ = block_scores(q, k, 64, 0.25, "subblock", 32, 8)
+    assert calls  # the oneDNN product ran
+    monkeypatch.setattr(mask_mod, "_onednn_linear", lambda: None)
+    blas, _ = block_scores(q, k, 64, 0.25, "subblock", 32, 8)
+    torch.testing.assert_close(fast, blas, atol=1e-6, rtol=1e-5)
+    assert torch.equal(fast.topk(3, dim=-1).indices, blas.topk(3, dim=-1).indices)
+
+
 def test_subblock_selection_is_deterministic_and_independent_of_head_chunking():
     grid, block = (4, 8, 8), 16
     q, k, v = qkv(3, math.prod(grid), n=4)

@@ -49,7 +49,10 @@ A family is about 100-200 lines in ``lite_boost/models/<family>.py`` plus its te
    ``state.rope_cache.get_or_build(key, build)`` and serve rows ``state.serve_range(n_tokens)`` (this
    rank's slice under sequence parallelism, identity rows past the end). ``matches(rope_module)``
    keeps diffusers' own module for variants the shim does not reproduce (Qwen-Image-Layered). RoPE
-   passed in by the pipeline (CogVideoX) needs no shim: split the argument in the plan.
+   passed in by the pipeline (CogVideoX) needs no shim: split the argument in the plan. A RoPE module
+   whose arguments lack something the shim needs (Flux's sees the concatenated text + image ids,
+   not where the text ends) reads ``state.call``: what the family's ``call_context(model, args,
+   kwargs)`` took from the arguments of the transformer call in progress.
 
 4. **Token grid** for sparse windows: ``token_grid(model, args, kwargs) -> (t, h, w)`` of the image /
    video tokens of a call, from shapes only (it runs in traced code); None runs that call dense.

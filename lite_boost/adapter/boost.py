@@ -9,10 +9,16 @@ knows a particular model. What ``boost_model(family, model, config)`` changes, o
 * the family's RoPE module gets an instance ``forward`` serving the cached fp32 tables (when the
   family's ``matches`` check says the cached tables reproduce the module's);
 * block-sparse attention (``config.sparse``) and diffusers' step-cache hooks (``config.cache``);
+* quantized Linear layers (``config.quant``, :mod:`lite_boost.quant`): the family's default
+  ``quant_patterns`` or the config's own patterns; the original weights are kept for ``unboost``;
+* with a family ``call_args`` / ``call_context``: a forward pre-hook rewriting the call's arguments
+  and recording the context as ``BoostState.call`` for the duration of each call (a forward hook
+  that always runs clears it again);
 * ``model._lite_boost`` holds the :class:`BoostState`.
 
-Weights, the module tree and ``state_dict`` are untouched, so ``.to()``, ``.eval()`` and
-``save_pretrained`` keep working, and boosting twice with the same config is a no-op.
+Without ``config.quant`` the weights, the module tree and ``state_dict`` are untouched, so ``.to()``,
+``.eval()`` and ``save_pretrained`` keep working (with it, see :mod:`lite_boost.quant`), and boosting
+twice with the same config is a no-op.
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from ..config import BoostConfig
 from ..ops.rope import RopeCache
+from ..quant import check_uninstall_quant, install_quant, uninstall_quant
 from .cache import install_cache, uninstall_cache
 from .processor import LiteBoostProcessor
 from .sparse import attach_pipeline, install_sparse, uninstall_sparse
@@ -48,6 +57,10 @@ class BoostState:
     rope_range: Callable[[int], tuple[int, int]] | None = None
     extras: dict = field(default_factory=dict)  # per-feature state (sparse schedule, step cache, parallel plan)
     family: object = None  # the ModelFamily that boosted the model
+    # The family's call_context of the transformer call in progress (None outside a call); set by a
+    # forward pre-hook registered before every other lite_boost hook, so it sees the caller's arguments.
+    call: object = None
+    hooks: list = field(default_factory=list)  # handles of the hooks boost_model registered itself
 
     @property
     def self_attention_processors(self) -> list[LiteBoostProcessor]:
@@ -71,11 +84,12 @@ def _site_pattern(path: str) -> re.Pattern:
 def match_sites(family, model) -> list[tuple[str, object, object, int]]:
     """(name, module, site, layer index) of every module matching an attention site, in module order.
 
-    The layer index is the number matched by the site path's first ``*`` (0 when it has none); for a
-    site with ``continues=True`` it is offset past the largest index of the sites declared before it.
-    Raises TypeError when a site matches nothing or a matched module has no ``set_processor``.
+    The layer index is the number matched by the site path's first ``*`` (0 when it has none) plus
+    the site's ``layer_offset``. Raises TypeError when a site matches nothing or a matched module has
+    no ``set_processor``.
     """
     patterns = [(site, _site_pattern(site.path)) for site in family.attention]
+    offsets = {site.path: site.offset(model) for site in family.attention}
     found, seen = [], set()
     for name, module in model.named_modules():
         for site, pattern in patterns:
@@ -85,23 +99,31 @@ def match_sites(family, model) -> list[tuple[str, object, object, int]]:
             if not hasattr(module, "set_processor"):
                 raise TypeError(f"{name} ({type(module).__name__}) is not a diffusers attention module with "
                                 f"set_processor (attention site {site.path!r} of the {family.name} family)")
-            found.append((name, module, site, int(m.group(1)) if m.groups() else 0))
+            found.append((name, module, site, (int(m.group(1)) if m.groups() else 0) + offsets[site.path]))
             seen.add(site.path)
             break
     missing = [s.path for s in family.attention if s.path not in seen]
     if missing:
         raise TypeError(f"{type(model).__name__} does not look like a {family.name} transformer "
                         f"({' / '.join(family.transformers)}): no module matches the attention site(s) {missing}")
-    offsets, top = {}, -1  # site path -> offset of its indices; largest index of the sites so far
-    for site in family.attention:
-        offsets[site.path] = top + 1 if site.continues else 0
-        top = max([top] + [offsets[site.path] + i for _, _, s, i in found if s is site])
-    return [(name, module, site, offsets[site.path] + i) for name, module, site, i in found]
+    return found
 
 
 def check_model(family, model) -> list:
-    """Raise TypeError unless ``model`` has the family's attention sites and RoPE module; returns the sites."""
+    """Raise TypeError unless ``model`` has the family's attention sites and RoPE module; returns the sites.
+
+    An attention processor that holds weights of its own (an IP-Adapter processor is an ``nn.Module``
+    with its key / value projections) is refused: the shim would drop those weights from the module
+    tree and the adapter's effect with them.
+    """
     sites = match_sites(family, model)
+    state = getattr(model, STATE_ATTR, None)
+    for name, module, _, _ in sites:
+        proc = state.original_processors.get(name) if state is not None else module.processor
+        if isinstance(proc, torch.nn.Module) and any(True for _ in proc.parameters()):
+            raise TypeError(f"{name} of {type(model).__name__} has a {type(proc).__name__} processor with weights of its "
+                            f"own (an IP-Adapter?); lite_boost's {family.name} processors do not reproduce it: unload "
+                            "it (e.g. pipe.unload_ip_adapter()) before boosting")
     if family.rope is not None:
         try:
             model.get_submodule(family.rope.module)
@@ -123,12 +145,15 @@ def boost_model(family, model, config: BoostConfig | None = None):
         unboost_model(model)
 
     state = BoostState(config=config, rope_cache=RopeCache(config.rope_cache_size), family=family)
+    install_quant(model, state)  # first: on failure it leaves the model as it was
     for name, module, site, layer in sites:
         proc = site.processor(layer, site.role, config.attention_backend)
         proc.text_first = family.joint != "image_first"
         state.original_processors[name] = module.processor
         state.processors[name] = proc
         module.set_processor(proc)
+    if family.call_context is not None or family.call_args is not None:
+        _install_call_hooks(model, state, family.call_args, family.call_context)
     if family.rope is not None:
         rope = model.get_submodule(family.rope.module)
         if family.rope.matches is None or family.rope.matches(rope):
@@ -141,10 +166,11 @@ def boost_model(family, model, config: BoostConfig | None = None):
 
 
 def unboost_model(model):
-    """Undo :func:`boost_model`: original processors and RoPE forward back; returns the model."""
+    """Undo :func:`boost_model`: original processors, RoPE forward and weights back; returns the model."""
     state = getattr(model, STATE_ATTR, None)
     if state is None:
         return model
+    check_uninstall_quant(state)  # QuantError before anything is undone when the weights were not kept
     for name, proc in state.original_processors.items():
         model.get_submodule(name).set_processor(proc)
     family = state.family
@@ -154,8 +180,29 @@ def unboost_model(model):
             del rope.forward
     uninstall_sparse(model, state)
     uninstall_cache(model, state)
+    uninstall_quant(model, state)
+    for handle in state.hooks:
+        handle.remove()
+    state.hooks.clear()
+    state.call = None
     delattr(model, STATE_ATTR)
     return model
+
+
+def _install_call_hooks(model, state: BoostState, call_args, call_context) -> None:
+    """Rewrite each call's arguments (``call_args``) and record ``call_context`` as ``state.call`` while it runs."""
+    def enter(module, args, kwargs):
+        new = call_args(module, args, kwargs) if call_args is not None else None
+        if new is not None:
+            args, kwargs = new
+        state.call = call_context(module, args, kwargs) if call_context is not None else None
+        return new
+
+    def leave(module, args, kwargs, output):
+        state.call = None
+
+    state.hooks.append(model.register_forward_pre_hook(enter, with_kwargs=True))
+    state.hooks.append(model.register_forward_hook(leave, with_kwargs=True, always_call=True))
 
 
 def pipeline_transformers(family, pipe) -> list[tuple[str, object]]:

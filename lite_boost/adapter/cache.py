@@ -28,7 +28,7 @@ def install_cache(model, state) -> None:
     if adapter.check is not None:
         adapter.check(model, cfg.method, dict(cfg.params))
     probe = model.get_submodule(adapter.probe_module) if adapter.probe_module else None
-    runtime = CacheRuntime(model, cfg.method, probe_module=probe)
+    runtime = CacheRuntime(model, cfg.method, probe_module=probe, timestep_scale=adapter.timestep_scale)
     dcfg = build_diffusers_config(cfg.method, cfg.params, defaults=adapter.defaults.get(cfg.method),
                                   current_timestep_callback=runtime.current_timestep)
     model.enable_cache(dcfg)

@@ -38,17 +38,16 @@ class AttentionSite:
         refiner or adapter attentions elsewhere in the model keep diffusers' processors.
     processor: ``processor(layer_idx, role, backend) -> LiteBoostProcessor`` (usually the class).
     role: "self" (sequence self-attention), "joint" (the same with a text stream) or "cross".
-    continues: the layer indices of this site follow those of the sites before it (layer = 1 + the
-        largest index they matched + this site's own index), so that two stacks of blocks, e.g.
-        dual-stream ``transformer_blocks.*.attn`` then single-stream ``single_transformer_blocks.*.attn``
-        (Flux, HunyuanVideo), give every processor its own layer index (per-layer sparse masks,
-        ``dense_layers``). False: the index is the site's own ``*`` (Wan's ``attn1`` / ``attn2`` share it).
+    layer_offset: added to the matched index: an int, or ``layer_offset(model) -> int``. A model
+        with two block lists (Flux's dual- then single-stream blocks) numbers the second list after
+        the first (``lambda model: len(model.transformer_blocks)``), so every layer of the sequence
+        attention has its own index (per-layer sparse policies and masks).
     """
 
     path: str
     processor: Callable[..., Any]
     role: str = "self"
-    continues: bool = False
+    layer_offset: int | Callable[[Any], int] = 0
 
     def __post_init__(self):
         if not isinstance(self.path, str) or not self.path:
@@ -57,6 +56,16 @@ class AttentionSite:
             raise ValueError(f"AttentionSite.role must be one of {list(ROLES)}, got {self.role!r}")
         if not callable(self.processor):
             raise TypeError(f"AttentionSite.processor must be callable, got {type(self.processor).__name__}")
+        if isinstance(self.layer_offset, bool) or not (callable(self.layer_offset) or isinstance(self.layer_offset, int)):
+            raise TypeError(f"AttentionSite.layer_offset must be an int or a callable(model) -> int, got "
+                            f"{self.layer_offset!r}")
+
+    def offset(self, model) -> int:
+        """The layer offset of this site in ``model``."""
+        value = self.layer_offset(model) if callable(self.layer_offset) else self.layer_offset
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TypeError(f"layer_offset of attention site {self.path!r} must give an int >= 0, got {value!r}")
+        return value
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,17 @@ class ModelFamily:
         None = the family has no block-sparse path.
     timestep_module: child module whose first argument is the timestep (where the compiled graph
         advances the sparse step tracker); None = the step is tracked from the transformer call only.
+    call_context: ``call_context(model, args, kwargs) -> object``: facts about one transformer call
+        read from its arguments before anything else runs (shape arithmetic, the caller's argument
+        tensors by reference: never large activations), kept as ``BoostState.call`` for the
+        duration of that call (None outside a call) for the family's RoPE shim and token grid, e.g.
+        the text length of a model whose RoPE module only sees the concatenated position ids
+        (Flux); None = the family needs none.
+    call_args: ``call_args(model, args, kwargs) -> (args, kwargs) | None``: rewrites the arguments
+        of every transformer call before anything else runs (a pure function of them, e.g. shape
+        arithmetic; None keeps them), e.g. Flux.2 hands its single-stream processors the text
+        length through ``joint_attention_kwargs`` as diffusers' own KV path does. Runs before
+        ``call_context``; None = the family needs none.
     sharding: where the sequence is split and gathered under sequence parallelism, or None.
     pipeline: the pipelines' transformer attributes, CFG plan and latent preparation.
     cache: the step-cache methods that fit (diffusers' hooks), or None.
@@ -109,6 +129,8 @@ class ModelFamily:
     rope: RopeSource | None = None
     token_grid: Callable[..., Any] | None = None
     timestep_module: str | None = None
+    call_context: Callable[..., Any] | None = None
+    call_args: Callable[..., Any] | None = None
     sharding: ShardingPlan | None = None
     pipeline: PipelinePlan = field(default_factory=PipelinePlan)
     cache: CacheAdapter | None = None
@@ -131,6 +153,10 @@ class ModelFamily:
         if (self.joint == "cross") == any(s.role == "joint" for s in self.attention):
             raise ValueError(f"family {self.name!r}: joint={self.joint!r} needs "
                              f"{'no' if self.joint == 'cross' else 'at least one'} attention site with role 'joint'")
+        for what in ("call_context", "call_args"):
+            fn = getattr(self, what)
+            if fn is not None and not callable(fn):
+                raise TypeError(f"family {self.name!r}: {what} must be callable, got {type(fn).__name__}")
         unknown = sorted(set(self.unsupported) - set(FEATURES))
         if unknown:
             raise ValueError(f"family {self.name!r}: unknown feature(s) {unknown} in unsupported; features: {list(FEATURES)}")
@@ -194,6 +220,8 @@ class ModelFamily:
             refuse("sparse (BoostConfig.sparse)", "sparse")
         if config.cache is not None and not self.supports("step_cache"):
             refuse("cache (BoostConfig.cache)", "step_cache")
+        if config.quant is not None and not self.supports("quant"):
+            refuse("quant (BoostConfig.quant)", "quant")
 
     def is_pipeline(self, target) -> bool:
         """True if ``target``'s class (or a base) is one of this family's pipelines."""

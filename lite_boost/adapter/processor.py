@@ -44,6 +44,10 @@ class DenseAttention:
     def _attend(self, q, k, v, key_mask=None):
         return attention(q, k, v, layout="BSND", backend=self.backend, key_mask=key_mask)
 
+    def lse_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """The same attention with the log-sum-exp (B, H, S) of each row: what Ring attention merges."""
+        return attention(q, k, v, layout="BSND", backend=self.backend, return_lse=True)
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, joint: JointTokens | None = None):
         if joint is None:
             return self._attend(q, k, v)

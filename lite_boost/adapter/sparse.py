@@ -157,18 +157,31 @@ class ScheduledSparseAttention:
                 q, k, v, joint.q, joint.k, joint.v, joint.key_mask, joint.first, self._key, grid))
         return self.run(q, k, v, joint)
 
-    def _dense(self, q, k, v, joint, why):
+    def _dense(self, q, k, v, joint, why, ring=None):
         self._record("dense", why)
+        if ring is not None:
+            return ring.attention(self.dense_fn, q, k, v, joint=joint)
         return self.dense_fn(q, k, v) if joint is None else self.dense_fn(q, k, v, joint=joint)
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, joint: JointTokens | None = None):
+    def ring_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring,
+                       joint: JointTokens | None = None):
+        """Under Ring attention (lite_boost.parallel.ring): q, k, v are this rank's chunk (eager).
+
+        Joint text tokens under Ring run the dense ring (the text joins once, not per ring step).
+        """
+        if joint is not None:
+            return self._dense(q, k, v, joint, "joint text tokens under Ring attention run the dense ring", ring)
+        return self.run(q, k, v, ring=ring)
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, joint: JointTokens | None = None, ring=None):
         """The eager body: schedule, mask reuse, sparse_attention (or the dense function)."""
         st, cfg = self.state, self.state.config
         tr = st.tracker
         why = st.schedule.dense_reason(tr.step, tr.total, self.layer_idx)
         grid = st.grid
-        if why is None and (grid is None or math.prod(grid) != q.shape[1] or k.shape[1] != q.shape[1]):
-            why = f"sequence length {q.shape[1]} does not match the latent grid {grid}"
+        n = q.shape[1] if ring is None else ring.seq_len  # the whole sequence's length
+        if why is None and (grid is None or math.prod(grid) != n or k.shape[1] != q.shape[1]):
+            why = f"sequence length {n} does not match the latent grid {grid}"
         padded = None  # (real, padded) text token indices when the padded ones are left out
         if why is None and joint is not None and joint.key_mask is not None:
             if bool(joint.key_mask.all()):  # nothing padded (a mask of ones): the same attention without it
@@ -178,7 +191,7 @@ class ScheduledSparseAttention:
                 if padded is None:
                     why = "the text has a key-padding mask (the block-sparse kernel takes none)"
         if why is not None:
-            return self._dense(q, k, v, joint, why)
+            return self._dense(q, k, v, joint, why, ring)
         txt = 0
         whole = joint
         if joint is not None:  # text in front, kept dense by sparse_attention (txt_len)
@@ -186,13 +199,14 @@ class ScheduledSparseAttention:
             if padded is not None:  # only the real text tokens take part in the sparse call
                 joint = JointTokens(*(x.index_select(1, padded[0]) for x in joint[:3]), None, joint.first)
             txt = joint.length
+            n += txt
             q, k, v = (torch.cat([j, x], dim=1) for j, x in ((joint.q, q), (joint.k, k), (joint.v, v)))
         key = (self.layer_idx, tr.call)
         cached = st.masks.get(key)
         selection = None
         if cached is not None and st.schedule.reuse(tr.step, cached[0]):
             sel: BlockSelection = cached[1]
-            if sel.signature[:5] == (q.shape[0], q.shape[2], k.shape[2], q.shape[1], k.shape[1]) \
+            if sel.signature[:5] == (q.shape[0], q.shape[2], k.shape[2], n, n) \
                     and sel.signature[6] == grid and sel.signature[9] == txt:
                 selection = sel
         out, stats = sparse_attention(
@@ -201,6 +215,7 @@ class ScheduledSparseAttention:
             cdf_threshold=cfg.cdf_threshold, sparsity=cfg.sparsity, window=cfg.window,
             min_seq_len=cfg.min_seq_len, selection=selection, return_stats=True, backend=cfg.backend,
             budget=cfg.budget, selector=cfg.selector, selector_reps=cfg.selector_reps,
+            **({} if ring is None else {"ring": ring}),
         )
         stats: SparseStats
         if stats.selection is not None and selection is None:

@@ -18,4 +18,5 @@ __all__ = ["SUPPORTED_MODELS", "UnsupportedModelError", "register_model", "regis
 from . import wan  # noqa: E402,F401  (registers the Wan family)
 from . import wan_vae  # noqa: E402,F401  (registers the Wan parallel-VAE adapter)
 from . import qwenimage  # noqa: E402,F401  (registers the Qwen-Image family)
+from . import flux  # noqa: E402,F401  (registers the Flux.1 family)
 from . import hunyuan_video  # noqa: E402,F401  (registers the HunyuanVideo and HunyuanVideo-1.5 families)

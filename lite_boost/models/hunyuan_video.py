@@ -7,7 +7,7 @@ processor shims and one RoPE shim:
   blocks (``transformer_blocks.*.attn``: image through ``to_q/k/v``, text through ``add_*_proj``) and
   40 single-stream blocks (``single_transformer_blocks.*.attn``: no ``add_q_proj``; the block
   concatenates [image, text] for its norm and MLP and hands the two parts in separately, both through
-  ``to_q/k/v``); their layer indices continue after the dual blocks'. 1.5 has 54 dual blocks. The
+  ``to_q/k/v``); their layer indices continue after the dual blocks' (``layer_offset``). 1.5 has 54 dual blocks. The
   token-refiner attentions inside ``context_embedder`` keep diffusers' processor (not an attention site).
 * text mask: HunyuanVideo's pipelines pad the text to 256 tokens and the model builds a (B, 1, 1, S + T)
   boolean key mask whose last T entries are the text's; the shim passes those as ``key_mask``. 1.5's
@@ -23,8 +23,8 @@ processor shims and one RoPE shim:
   ``clamp(num_tokens - its offset, 0, its length)`` (``RankArg``; T2V blocks take no such argument).
 * CFG: HunyuanVideo makes two transformer calls per step with true CFG only (``true_cfg_scale > 1`` and a
   negative prompt; the default is guidance-distilled, one call); T2V names them by ``cache_context``,
-  I2V does not, so both are split by call order ("ordered", recognised from ``encode_prompt`` running
-  twice). 1.5 runs a diffusers ``ClassifierFreeGuidance`` guider ("guider": ``pred_cond`` /
+  I2V does not, so both are split by call order (``CfgPlan(by_call_order=True)``, CFG recognised from
+  ``encode_prompt`` running twice, the order reset by ``check_inputs`` at every pipeline call). 1.5 runs a diffusers ``ClassifierFreeGuidance`` guider ("guider": ``pred_cond`` /
   ``pred_uncond``, CFG steps decided by the guider).
 * 1.5 reorders its text tokens per sample with boolean indexing (valid tokens first) in the model's
   forward, before the blocks: data-dependent shapes there, none in a block (``compile_repeated_blocks``
@@ -255,10 +255,10 @@ HUNYUAN_VIDEO = register_family(ModelFamily(
     pipelines=("HunyuanVideoPipeline", "HunyuanVideoImageToVideoPipeline"),
     attention=(AttentionSite("transformer_blocks.*.attn", HunyuanVideoJointProcessor, role="joint"),
                AttentionSite("single_transformer_blocks.*.attn", HunyuanVideoJointProcessor, role="joint",
-                             continues=True)),
+                             layer_offset=lambda model: len(model.transformer_blocks))),
     timestep_module="time_text_embed",
     sharding=_sharding(single_blocks=True),
-    pipeline=PipelinePlan(cfg=CfgPlan(kind="ordered", flag=None, encodes="encode_prompt", call_start="check_inputs",
+    pipeline=PipelinePlan(cfg=CfgPlan(flag=None, encodes="encode_prompt", call_start="check_inputs", by_call_order=True,
                                       output_shape=_output_shape)),
     cache=HUNYUAN_VIDEO_CACHE_ADAPTER,
     quant_patterns=("transformer_blocks.*", "single_transformer_blocks.*"),

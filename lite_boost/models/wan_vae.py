@@ -18,6 +18,15 @@ Facts it encodes (diffusers 0.42, ``autoencoder_kl_wan.py``):
   spatial kernel, the ``Conv2d`` after each nearest upsample: zero padding 1), the stride-2
   downsampling ``Conv2d`` after ``ZeroPad2d((0, 1, 0, 1))``, and ``WanAttentionBlock`` (attention over
   all positions of a frame): those are what the exact mode hooks.
+* Wan2.2's 48-channel VAE (TI2V-5B: ``z_dim 48``, ``is_residual``, ``patch_size 2``, scale 16) adds
+  only row-local pieces: ``patchify`` before the encoder network and ``unpatchify`` after the decoder
+  network (inside ``_encode`` / ``_decode``, outside the split network calls: the encoder's bands are
+  in patchified rows and the deferred gather scales the decoder's bands by 8 x 2); and the residual
+  shortcuts ``AvgDown3D`` (space-to-channel by ``factor_s`` rows, then a channel mean) and
+  ``DupUp3D`` (channel-to-space by ``factor_s``, its ``first_chunk`` frame drop is temporal).
+  ``AvgDown3D`` stays inside a band when the band's rows are a multiple of ``factor_s`` at its
+  resolution: every such shortcut sits beside one of the stride-2 downsamplings, whose product is
+  the encoder's band unit (checked). The config's ``out_channels`` (12) is the patchified count.
 """
 
 from __future__ import annotations
@@ -64,7 +73,8 @@ class WanVAEAdapter(VAEAdapter):
         self.t = 2 ** sum(bool(b) for b in vae.temperal_downsample)
         self.patch = cfg.patch_size or 1
         self.scale = 2 ** (len(cfg.dim_mult) - 1) * self.patch
-        self.out_channels = cfg.out_channels
+        # the decoder's output is unpatchified: Wan2.2-TI2V-5B's VAE (patch 2) declares out_channels 12 = 3 x 2 x 2
+        self.out_channels = cfg.out_channels // self.patch ** 2
         self.z_dim = cfg.z_dim
 
     # --- frame bookkeeping
@@ -132,18 +142,27 @@ class WanVAEAdapter(VAEAdapter):
 
     # --- exact mode: which modules need halos
     def spatial_layout(self, kind):
+        from diffusers.models.autoencoders import autoencoder_kl_wan as akw
         from diffusers.models.autoencoders.autoencoder_kl_wan import (WanAttentionBlock, WanCausalConv3d, WanResample,
                                                                        WanResidualBlock)
+
+        avg_down = getattr(akw, "AvgDown3D", ())  # Wan2.2's residual shortcut (absent from older diffusers)
 
         root = self.vae.decoder if kind == "decode" else self.vae.encoder
         layout = SpatialLayout(root=root, unpad=_unpad_rows)
         down = set()
         n_down = 0
+        avg_factor = 1  # Wan2.2 residual encoder: product of the AvgDown3D shortcuts' spatial factors
         for mod in root.modules():
             if isinstance(mod, WanResample) and mod.mode in ("downsample2d", "downsample3d"):
                 n_down += 1
                 down.add(id(mod.resample[1]))
+            elif isinstance(mod, avg_down):
+                avg_factor *= mod.factor_s
         layout.unit = 2 ** n_down if kind == "encode" else 1
+        if kind == "encode" and layout.unit % avg_factor:
+            raise NotImplementedError(f"exact parallel VAE: AvgDown3D shortcuts downsample rows by {avg_factor}, "
+                                      f"which does not divide the encoder's band unit {layout.unit}")
         for name, mod in root.named_modules():
             if isinstance(mod, WanAttentionBlock):
                 layout.gather.append(mod)

@@ -32,6 +32,7 @@ than its budget because of ties.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -81,6 +82,32 @@ def block_scores(q: torch.Tensor, k: torch.Tensor, block: int, scale: float, sel
 _CHUNK_ELEMS = 1 << 19  # fp32 elements of one working chunk (2 MiB): bounds the scoring buffers
 
 
+@functools.lru_cache(maxsize=None)
+def _onednn_linear():
+    """``torch.ops.mkldnn._linear_pointwise`` when PyTorch was built with oneDNN, else None.
+
+    fp32 ``x @ w.T`` on oneDNN's own kernels: on a 2-core AMD EPYC (AVX-512) 3.8x faster than the MKL
+    sgemm that ``torch.matmul`` calls for the scorer's (rows x (D + 2)) x ((D + 2) x cols) product,
+    the same fp32 arithmetic (the sum order of a GEMM differs, as between any two BLAS builds)."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default
+    except (AttributeError, RuntimeError):  # private operator gone: plain matmul
+        return None
+
+
+def _gemm_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 (M, K) x (N, K) -> (M, N) = a @ b.T, contiguous."""
+    lin = _onednn_linear() if a.device.type == "cpu" and torch.backends.mkldnn.enabled else None
+    if lin is not None:
+        try:
+            return lin(a, b, None, "none", [], "")
+        except RuntimeError:  # a shape or build oneDNN rejects: the same product on BLAS
+            pass
+    return a @ b.t()
+
+
 def _runs(block: int, reps: int, device):
     """Token p of a block belongs to run ``p * reps // block``: (run (block,) int64, onehot (reps, block) fp32)."""
     run = torch.arange(block, device=device) * reps // block
@@ -105,6 +132,15 @@ def _block_chunks(x: torch.Tensor, block: int, per_block: int):
         yield j0, xc.view(b, h, j1 - j0, block, d), valid.view(j1 - j0, block)
 
 
+def _run_sums(xb: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
+    """Sums over the runs of each block: xb (..., block, C) -> (..., reps, C). Runs of equal length
+    (reps divides block) are a reshape and a sum; otherwise a product with the run indicator."""
+    reps, block = onehot.shape
+    if block % reps == 0:
+        return xb.unflatten(-2, (reps, block // reps)).sum(-2)
+    return torch.matmul(onehot, xb)
+
+
 def query_summary(q: torch.Tensor, block: int, reps: int, extra: int = 0):
     """Sub-block means of q (B, H, S, D): (mean (B, H, nb, reps, D + extra), count (nb, reps)), fp32;
     the ``extra`` trailing columns are left for the caller (uninitialised)."""
@@ -116,7 +152,7 @@ def query_summary(q: torch.Tensor, block: int, reps: int, extra: int = 0):
     for j0, xb, valid in _block_chunks(q, block, d):
         n = valid.to(torch.float32) @ onehot.t()  # (nbc, reps)
         j1 = j0 + xb.shape[2]
-        mean[:, :, j0:j1, :, :d] = torch.matmul(onehot, xb).div_(n.clamp_min(1)[..., None])
+        mean[:, :, j0:j1, :, :d] = _run_sums(xb, onehot).div_(n.clamp_min(1)[..., None])
         count[j0:j1] = n
     return mean, count
 
@@ -133,6 +169,7 @@ def key_summary(k: torch.Tensor, block: int, reps: int, outliers: int, variance:
     nb = -(-s // block)
     m = min(outliers, block)
     run, onehot = _runs(block, reps, k.device)
+    equal = block % reps == 0
     r = reps + m
     mean = torch.empty(b, h, nb, r, d, dtype=torch.float32, device=k.device)
     count = torch.empty(b, h, nb, r, dtype=torch.float32, device=k.device)
@@ -141,14 +178,19 @@ def key_summary(k: torch.Tensor, block: int, reps: int, outliers: int, variance:
         j1 = j0 + xb.shape[2]
         nbc = j1 - j0
         n = (valid.to(torch.float32) @ onehot.t()).expand(b, h, nbc, reps)  # tokens per run
-        total = torch.matmul(onehot, xb)  # (b, h, nbc, reps, d) run sums
+        total = _run_sums(xb, onehot)  # (b, h, nbc, reps, d) run sums
         sq = torch.linalg.vector_norm(xb, dim=-1).square_()  # (b, h, nbc, block) |k|^2
         if m:
             mu = total / n.clamp_min(1)[..., None]
             # |k - mu_run|^2 = |k|^2 - 2 k.mu_run + |mu_run|^2, without a (block x d) temporary
-            dot = torch.matmul(xb, mu.transpose(-1, -2))  # (b, h, nbc, block, reps)
-            idx = run.view(1, 1, 1, block, 1).expand(b, h, nbc, block, 1)
-            dev = sq - 2 * dot.gather(-1, idx)[..., 0] + mu.square().sum(-1).index_select(-1, run)
+            if equal:  # k.mu of its own run only
+                dot = torch.einsum("bhnrld,bhnrd->bhnrl", xb.unflatten(-2, (reps, block // reps)), mu)
+                dot = dot.reshape(b, h, nbc, block)
+            else:
+                dot = torch.matmul(xb, mu.transpose(-1, -2))  # (b, h, nbc, block, reps)
+                idx = run.view(1, 1, 1, block, 1).expand(b, h, nbc, block, 1)
+                dot = dot.gather(-1, idx)[..., 0]
+            dev = sq - 2 * dot + mu.square().sum(-1).index_select(-1, run)
             dev = dev.masked_fill(~valid, -math.inf)
             top = torch.topk(dev, m, dim=-1, sorted=True).indices  # (b, h, nbc, m)
             is_tok = valid.expand(b, h, nbc, block).gather(-1, top).to(torch.float32)  # padding is never one
@@ -160,7 +202,7 @@ def key_summary(k: torch.Tensor, block: int, reps: int, outliers: int, variance:
         mean[:, :, j0:j1, :reps] = total.div_(denom[..., None])
         count[:, :, j0:j1, :reps] = n
         if variance:
-            ssq = torch.matmul(sq, onehot.t())  # (b, h, nbc, reps) run sums of |k|^2
+            ssq = _run_sums(sq[..., None], onehot)[..., 0]  # (b, h, nbc, reps) run sums of |k|^2
             if m:
                 ssq.scatter_add_(-1, r_of, -sq.gather(-1, top) * is_tok)
             v_ = (ssq / denom - mean[:, :, j0:j1, :reps].square().sum(-1)).clamp_min_(0).div_(d)
@@ -177,6 +219,7 @@ def subblock_scores(q, k, block, scale, q_reps, k_reps, k_outliers=4, variance=T
     (B, N1, nqb, nkb) fp32, rows sum to 1. See the module docstring."""
     b, n1, sq_, d = q.shape
     n2 = k.shape[1]
+    g = n1 // n2
     q_reps, k_reps = min(q_reps, block), min(k_reps, block)
     nqb, nkb = -(-sq_ // block), -(-k.shape[2] // block)
     km, kn, kv = key_summary(k, block, k_reps, k_outliers, variance)
@@ -189,22 +232,25 @@ def subblock_scores(q, k, block, scale, q_reps, k_reps, k_outliers=4, variance=T
         cols.append(kv.mul(0.5 * scale * scale)[..., None])
     cols.append(torch.log(kn)[..., None])
     ka = torch.cat(cols, -1).transpose(2, 3).reshape(b, n2, rk * nkb, -1)
-    if n1 != n2:
-        ka = ka.repeat_interleave(n1 // n2, dim=1)
-    ka_t = ka.transpose(-1, -2)
-    qa, qn = query_summary(q, block, q_reps, ka.shape[-1] - d)  # (b, n1, nqb, q_reps, kd), (nqb, q_reps)
-    w = (qn / qn.sum(-1, keepdim=True).clamp_min(1)).view(1, 1, nqb, q_reps, 1)
+    kd = ka.shape[-1]
+    qa, qn = query_summary(q, block, q_reps, kd - d)  # (b, n1, nqb, q_reps, kd), (nqb, q_reps)
+    # each representative's share of its query block: the weights of the per-block sum of its distribution
+    w = (qn / qn.sum(-1, keepdim=True).clamp_min(1))[:, None, :]  # (nqb, 1, q_reps)
     if variance:
         qa[..., d] = torch.linalg.vector_norm(qa[..., :d], dim=-1).square_()
     qa[..., :d] *= scale
     qa[..., -1] = 1.0
     probs = torch.empty(b, n1, nqb, nkb, dtype=torch.float32, device=q.device)
-    step = max(1, _CHUNK_ELEMS // max(1, b * n1 * q_reps * rk * nkb))  # query blocks per chunk
-    for i0 in range(0, nqb, step):
-        i1 = min(nqb, i0 + step)
-        logits = torch.matmul(qa[:, :, i0:i1].reshape(b, n1, (i1 - i0) * q_reps, -1), ka_t)
-        p = torch.softmax(logits, dim=-1).view(b, n1, i1 - i0, q_reps, rk, nkb).sum(4)
-        probs[:, :, i0:i1] = p.mul_(w[:, :, i0:i1]).sum(3)
+    step = max(1, _CHUNK_ELEMS // max(1, q_reps * rk * nkb))  # query blocks per chunk (one head)
+    for bi in range(b):
+        for hi in range(n1):
+            keys = ka[bi, hi // g]  # (rk * nkb, kd): GQA heads share their key head's representatives
+            for i0 in range(0, nqb, step):
+                i1 = min(nqb, i0 + step)
+                logits = _gemm_nt(qa[bi, hi, i0:i1].reshape((i1 - i0) * q_reps, kd), keys)
+                p = torch.softmax(logits, dim=-1).view(i1 - i0, q_reps, rk * nkb)
+                # weighted sum over the query block's representatives, then over each block's key reps
+                probs[bi, hi, i0:i1] = torch.bmm(w[i0:i1], p).view(i1 - i0, rk, nkb).sum(1)
     return probs
 
 
@@ -243,23 +289,27 @@ def select_blocks(score: torch.Tensor, probs: torch.Tensor | None, keep: int, fo
     else:
         prio = score
     order = torch.sort(prio, dim=-1, descending=True, stable=True).indices
-    count = torch.full(score.shape[:-1], min(keep, nkb), dtype=torch.int64, device=dev)
-    if cdf_threshold < 1.0:
+    k = min(keep, nkb)
+    if cdf_threshold < 1.0:  # rows stop early: a rank per block against a count per row
         p = probs if probs is not None else torch.softmax(score, dim=-1)
         cum = torch.cumsum(torch.gather(p, -1, order), dim=-1)
-        n_cdf = (cum < cdf_threshold).sum(-1) + 1
-        count = torch.minimum(count, n_cdf.clamp(max=nkb))
-    rank = torch.empty_like(order)
-    rank.scatter_(-1, order, torch.arange(nkb, device=dev).expand_as(order))
-    chosen = rank < count[..., None]
-    mask = chosen | forced
+        count = torch.minimum(torch.full_like(cum[..., 0], k, dtype=torch.int64), ((cum < cdf_threshold).sum(-1) + 1))
+        rank = torch.empty_like(order)
+        rank.scatter_(-1, order, torch.arange(nkb, device=dev).expand_as(order))
+        mask = rank < count[..., None]
+    else:  # the first k of the order
+        mask = torch.zeros_like(forced).scatter_(-1, order[..., :k], True)
+    mask |= forced
     if bool(forced_q.any()):
         mask[:, :, forced_q] = True
     num = mask.sum(-1)
     m = int(num.max()) if num.numel() else 0
-    ar = torch.arange(nkb, device=dev)
-    idx = torch.sort(torch.where(mask, ar, nkb), dim=-1).values[..., :m]
-    idx = torch.where(idx >= nkb, torch.full_like(idx, -1), idx)
+    # ascending kept indices, then -1: each kept block goes to its position among the kept (column m
+    # collects the others and is cut off)
+    pos = torch.where(mask, torch.cumsum(mask, -1, dtype=torch.int64) - 1, m)
+    idx = torch.full(mask.shape[:-1] + (m + 1,), -1, dtype=torch.int64, device=dev)
+    idx.scatter_(-1, pos, torch.arange(nkb, device=dev).expand_as(pos))
+    idx = idx[..., :m]
     kv_sel = (mask.to(torch.float32) * kv_tokens.to(torch.float32)).sum(-1)
     pairs = float((kv_sel * q_tokens.to(torch.float32).view(1, 1, nqb)).sum())
     select_idx = idx.permute(0, 2, 1, 3).reshape(b * nqb, n1, m)

@@ -172,6 +172,86 @@ def _sdpa_impl(q, k, v, scale, key_mask=None):
     return out.transpose(1, 2)
 
 
+# ----------------------------------------------------------------- with the log-sum-exp (Ring attention)
+# Each returns (out (B, S, N, D) in the input dtype, lse (B, N, S) float32: the natural-log
+# log-sum-exp of each query row's scaled logits). Inputs are BSND with at least one key.
+
+
+def _repeat_kv(q, k, v):
+    if k.shape[2] != q.shape[2]:  # GQA: kernels below take equal head counts
+        g = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
+    return k, v
+
+
+def _fa3_lse(q, k, v, scale):
+    fn = _module_or_none("flash_attn_interface").flash_attn_func
+    if _accepts(fn, "return_attn_probs"):  # newer FA3 returns out alone unless asked
+        res = fn(q, k, v, softmax_scale=scale, causal=False, return_attn_probs=True)
+    else:  # FA3 releases that always return (out, softmax_lse)
+        res = fn(q, k, v, softmax_scale=scale, causal=False)
+    if not isinstance(res, tuple) or len(res) < 2:
+        raise AttentionBackendError("flash_attn_interface.flash_attn_func returned no softmax_lse")
+    return res[0], res[1].float()
+
+
+def _fa2_lse(q, k, v, scale):
+    mod = _module_or_none("flash_attn")
+    out, lse, _ = mod.flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=False,
+                                      return_attn_probs=True)
+    return out, lse.float()
+
+
+def _npu_lse(q, k, v, scale):
+    # torch_npu's fused inference attention returns softmax_lse (B, N, S, 1) with softmax_lse_flag;
+    # the scale keyword is ``scale`` in recent torch_npu, ``scale_value`` in older releases.
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    fn = _module_or_none("torch_npu").npu_fused_infer_attention_score
+    kw = dict(num_heads=q.shape[2], num_key_value_heads=k.shape[2], input_layout="BSND", pre_tokens=_FULL_WINDOW,
+              next_tokens=_FULL_WINDOW, sparse_mode=0, softmax_lse_flag=True)
+    try:
+        out, lse = fn(q, k, v, scale=scale, **kw)
+    except TypeError:
+        out, lse = fn(q, k, v, scale_value=scale, **kw)
+    return out, lse.reshape(q.shape[0], q.shape[2], q.shape[1]).float()
+
+
+def _sdpa_lse(q, k, v, scale):
+    k, v = _repeat_kv(q, k, v)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    s = q.shape[1]
+    if q.device.type == "cpu":  # the CPU flash kernel behind SDPA (fp32 lse for every input dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, 0.0, False, scale=scale)
+    elif q.device.type == "cuda" and q.dtype in _HALF_DTYPES:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, False, False, scale=scale)[:2]
+    elif q.device.type == "cuda":  # float32: the memory-efficient kernel (lse padded to a multiple of 32)
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, False,
+                                                                          scale=scale)[:2]
+    else:  # other devices: exact math in fp32 (materialises the S x S logits of this call)
+        logits = torch.matmul(qt.float(), kt.float().transpose(-1, -2)).mul_(q.shape[-1] ** -0.5 if scale is None
+                                                                             else scale)
+        lse = torch.logsumexp(logits, dim=-1)
+        out = torch.matmul(torch.exp(logits - lse[..., None]), vt.float()).to(q.dtype)
+    return out.transpose(1, 2), lse[..., :s].float()
+
+
+@functools.lru_cache(maxsize=None)
+def _accepts_cached(fn, name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _accepts(fn, name: str) -> bool:
+    try:
+        return _accepts_cached(fn, name)
+    except TypeError:  # unhashable callable
+        return False
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     """What a dense attention backend accepts and how to run it."""
@@ -186,11 +266,14 @@ class BackendSpec:
     probe: Callable[[], str | None]
     impl: Callable[..., torch.Tensor]
     description: str
+    lse_impl: Callable[..., tuple] | None = None  # (out, lse) variant for Ring attention; None = no lse
     supports_key_mask: bool = False  # takes a (B, S_k) boolean key-padding mask
 
     def rejects(self, device_type: str, dtype: torch.dtype, head_dim: int, heads: int, gqa: bool,
-                masked: bool = False) -> str | None:
+                masked: bool = False, need_lse: bool = False) -> str | None:
         """The reason this backend cannot run the call, or None. Cheap checks first, probing last."""
+        if need_lse and self.lse_impl is None:
+            return "cannot return the log-sum-exp (needed by Ring attention)"
         if device_type not in self.devices:
             return f"wrong device: needs {'/'.join(self.devices)}, got {device_type}"
         if dtype not in self.dtypes:
@@ -215,14 +298,16 @@ BACKENDS: dict[str, BackendSpec] = {
     spec.name: spec
     for spec in (
         BackendSpec("fa3", ("cuda",), _HALF_DTYPES, 256, 8, None, True, _probe_fa3, _fa3_impl,
-                    "FlashAttention-3 (flash_attn_interface.flash_attn_func), Hopper GPUs"),
+                    "FlashAttention-3 (flash_attn_interface.flash_attn_func), Hopper GPUs", _fa3_lse),
         BackendSpec("fa2", ("cuda",), _HALF_DTYPES, 256, 8, None, True, _probe_fa2, _fa2_impl,
-                    "FlashAttention-2 (flash_attn.flash_attn_func)"),
+                    "FlashAttention-2 (flash_attn.flash_attn_func)", _fa2_lse),
         BackendSpec("npu", ("npu",), _HALF_DTYPES, 512, 1, 256, True, _probe_npu, _npu_impl,
                     "Ascend prompt flash attention (torch.ops.lite_boost.prompt_flash_attention when its NPU kernel "
-                    "is built, else torch_npu.npu_prompt_flash_attention), BSND, full bidirectional"),
+                    "is built, else torch_npu.npu_prompt_flash_attention), BSND, full bidirectional; with the "
+                    "log-sum-exp: torch_npu.npu_fused_infer_attention_score(softmax_lse_flag=True)", _npu_lse),
         BackendSpec("sdpa", ("cpu", "cuda", "npu", "mps", "xpu"), _FLOAT_DTYPES, 1 << 16, 1, None, True,
-                    _probe_sdpa, _sdpa_impl, "torch.nn.functional.scaled_dot_product_attention",
+                    _probe_sdpa, _sdpa_impl, "torch.nn.functional.scaled_dot_product_attention; with the "
+                    "log-sum-exp: aten's CPU flash / CUDA flash or memory-efficient kernel", _sdpa_lse,
                     supports_key_mask=True),
     )
 }
@@ -240,11 +325,13 @@ _OVERRIDE = BackendOverride(ATTENTION_BACKEND_NAMES, ENV_VAR, "attention_backend
 
 @functools.lru_cache(maxsize=512)
 def _decide(device_type: str, dtype: torch.dtype, head_dim: int, heads: int, gqa: bool,
-            requested: str | None, how: str, masked: bool = False) -> tuple[str | None, str | None]:
+            requested: str | None, how: str, masked: bool = False,
+            need_lse: bool = False) -> tuple[str | None, str | None]:
     """(backend name, None) or (None, error message) for a call signature; logs each choice once."""
-    reasons = {n: BACKENDS[n].rejects(device_type, dtype, head_dim, heads, gqa, masked) for n in _AUTO_ORDER}
+    reasons = {n: BACKENDS[n].rejects(device_type, dtype, head_dim, heads, gqa, masked, need_lse)
+               for n in _AUTO_ORDER}
     sig = (f"{device_type}/{str(dtype).replace('torch.', '')}/head_dim={head_dim}/heads={heads}"
-           + ("/key_mask" if masked else ""))
+           + ("/key_mask" if masked else "") + ("/with lse" if need_lse else ""))
     if requested is not None:
         why = reasons[requested]
         if why is not None:
@@ -273,22 +360,23 @@ def _decide_traced(*signature) -> tuple[str | None, str | None]:
 
 
 def _signature(q: torch.Tensor, k: torch.Tensor | None, layout: str, backend: str | None,
-               masked: bool = False) -> tuple:
+               masked: bool = False, need_lse: bool = False) -> tuple:
     heads_axis = 2 if layout == "BSND" else 1
     kv_heads = (k if k is not None else q).shape[heads_axis]
     requested, how = _OVERRIDE.requested(backend)
     return (q.device.type, q.dtype, q.shape[-1], q.shape[heads_axis], kv_heads != q.shape[heads_axis], requested, how,
-            masked)
+            masked, need_lse)
 
 
 def select_backend(q: torch.Tensor, k: torch.Tensor | None = None, *, layout: str = "BSND",
-                   backend: str | None = None, masked: bool = False) -> str:
+                   backend: str | None = None, masked: bool = False, return_lse: bool = False) -> str:
     """Name of the backend ``attention`` would use for these tensors (raises if a forced one cannot run).
 
-    ``masked``: the call passes a ``key_mask`` (only backends with key-padding mask support qualify).
+    ``masked``: the call passes a ``key_mask`` (only backends with key-padding mask support qualify);
+    ``return_lse``: the call asks for the log-sum-exp (only backends that return it qualify).
     """
     layout = _check_layout(layout)
-    name, error = _decide(*_signature(q, k, layout, backend, masked))
+    name, error = _decide(*_signature(q, k, layout, backend, masked, return_lse))
     if error is not None:
         raise AttentionBackendError(error)
     return name
@@ -367,7 +455,7 @@ def _check_key_mask(key_mask, k: torch.Tensor, layout: str) -> None:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "BSND",
               scale: float | None = None, backend: str | None = None,
-              key_mask: torch.Tensor | None = None) -> torch.Tensor:
+              key_mask: torch.Tensor | None = None, return_lse: bool = False):
     """Full (non-causal) scaled dot-product attention, output in the input layout and dtype.
 
     Args:
@@ -379,18 +467,39 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
             Every query row needs at least one True key. Only backends with key-mask support run it
             (automatic choice skips the others; a forced one without support raises and lists the
             usable backends).
+        return_lse: also return the natural-log log-sum-exp of every query row, float32 (B, N, S)
+            (what Ring attention merges partial results with): SDPA's CPU flash kernel, CUDA flash /
+            memory-efficient kernels, FA2 / FA3 (``softmax_lse``), Ascend
+            ``npu_fused_infer_attention_score(softmax_lse_flag=True)``. Needs at least one key; not
+            combined with ``key_mask`` (Ring attention masks its joint keys itself).
+
+    Returns ``out``, or ``(out, lse)`` with ``return_lse=True``.
     """
     layout = validate_qkv(q, k, v, layout)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0):
         raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
     if key_mask is not None:
         _check_key_mask(key_mask, k, layout)
-    sig = _signature(q, k, layout, backend, key_mask is not None)
+        if return_lse:
+            raise ValueError("attention: key_mask and return_lse=True cannot be combined; pass one of them")
+    sig = _signature(q, k, layout, backend, key_mask is not None, return_lse)
     name, error = _decide_traced(*sig) if torch.compiler.is_compiling() else _decide(*sig)
     if error is not None:  # eager: raises now; traced: raises when the compiled graph runs
-        return raise_when_run("attention", error, q)  # output has the shape of q
+        out = raise_when_run("attention", error, q)  # output has the shape of q
+        if not return_lse:
+            return out
+        lse = out[..., 0].float()  # (B, N, S) placeholder of the right shape
+        return out, (lse.transpose(1, 2) if layout == "BSND" else lse)
     if layout == "BNSD":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if return_lse:
+        if k.shape[1] == 0 or q.shape[1] == 0:
+            raise ValueError(f"attention(return_lse=True) needs at least one query and one key, got q length "
+                             f"{q.shape[1]}, k length {k.shape[1]}")
+        out, lse = BACKENDS[name].lse_impl(q, k, v, scale)
+        return (out.transpose(1, 2) if layout == "BNSD" else out), lse
     impl = BACKENDS[name].impl
     out = impl(q, k, v, scale) if key_mask is None else impl(q, k, v, scale, key_mask)
     return out.transpose(1, 2) if layout == "BNSD" else out

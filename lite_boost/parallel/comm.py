@@ -12,7 +12,14 @@ heads (possibly zero when ``H < P``); the all_to_all uses per-rank split sizes.
 Every collective goes through a :class:`Communicator`, which also counts collectives and the bytes
 each rank sends to other ranks (benchmarks compare that count with the Ulysses lower bound). A
 communicator of size 1 turns every operation into a local no-op, so the same code runs unchanged in
-one process.
+one process. A collective that fails (a dead peer) or times out (a stalled peer, after the group's
+``timeout_s``) raises :class:`CollectiveError` naming the operation, the group (its name and global
+ranks) and the seconds spent waiting.
+
+Ring attention moves K/V point to point: :meth:`Communicator.ring_shift_start` posts one
+``batch_isend_irecv`` (send to the next rank of the group, receive from the previous one) and returns
+a handle whose ``wait()`` completes it; in between the caller computes (the double buffer lives in
+:mod:`lite_boost.parallel.ring`).
 
 Under ``torch.compile`` the Ulysses exchange and the sequence gather trace: inside a traced region
 they are issued as functional collectives (``torch.distributed._functional_collectives``, as in
@@ -24,7 +31,9 @@ would make the counter a guard that recompiles at every call).
 
 from __future__ import annotations
 
+import datetime
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -32,8 +41,10 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 __all__ = [
+    "CollectiveError",
     "CommStats",
     "Communicator",
+    "RingShift",
     "head_split",
     "shard_length",
     "pad_dim",
@@ -93,6 +104,34 @@ class CommStats:
         return sum(self.bytes_sent.values())
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the operation, the group and the wait."""
+
+
+class RingShift:
+    """A posted ring exchange (:meth:`Communicator.ring_shift_start`); ``wait()`` completes it."""
+
+    __slots__ = ("comm", "works", "op", "t0", "recv")
+
+    def __init__(self, comm: "Communicator", works, op: str, t0: float, recv):
+        self.comm, self.works, self.op, self.t0, self.recv = comm, works, op, t0, recv
+
+    def wait(self):
+        """Block until the chunk has arrived (and ours has left); returns the receive buffer."""
+        comm = self.comm
+        timeout = datetime.timedelta(seconds=comm.timeout_s) if comm.timeout_s else None
+        try:
+            for work in self.works:
+                if timeout is None:
+                    work.wait()
+                else:
+                    work.wait(timeout)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the collective, group and time
+            raise comm.error(self.op, self.t0, exc) from exc
+        self.works = ()
+        return self.recv
+
+
 class Communicator:
     """Collectives over one process group (or a trivial group of size 1).
 
@@ -102,19 +141,48 @@ class Communicator:
         size, rank: the group size and this rank's index in it.
         owns_group: whether the mesh created ``group`` (and destroys it).
         stats: optional CommStats to record collectives into (``enable_stats()`` creates one).
+        name: what the group is for ("sequence", "ulysses", "ring", "cfg", "world"; in error messages).
+        ranks: the group's global ranks in group order (None: 0 .. size-1, the default group).
+        timeout_s: how long a point-to-point wait may block (None: the process group's own timeout).
     """
 
-    def __init__(self, group, size: int, rank: int, owns_group: bool = False, stats: CommStats | None = None):
+    def __init__(self, group, size: int, rank: int, owns_group: bool = False, stats: CommStats | None = None,
+                 name: str = "group", ranks=None, timeout_s: float | None = None):
         if size < 1 or not (0 <= rank < size):
             raise ValueError(f"invalid communicator size={size} rank={rank}")
+        ranks = tuple(range(size)) if ranks is None else tuple(int(r) for r in ranks)
+        if len(ranks) != size:
+            raise ValueError(f"communicator of size {size} got {len(ranks)} global ranks {list(ranks)}")
         self.group = group
         self.size = size
         self.rank = rank
         self.owns_group = owns_group
         self.stats = stats
+        self.name = name
+        self.ranks = ranks
+        self.timeout_s = timeout_s
 
     def __repr__(self) -> str:
-        return f"Communicator(size={self.size}, rank={self.rank})"
+        return f"Communicator({self.name!r}, size={self.size}, rank={self.rank}, ranks={list(self.ranks)})"
+
+    def describe(self) -> str:
+        """'<name> group (global ranks [...], this rank i of n)' for messages."""
+        return f"{self.name} group (global ranks {list(self.ranks)}, this rank {self.rank} of {self.size})"
+
+    def error(self, op: str, t0: float, exc: BaseException) -> CollectiveError:
+        """The CollectiveError for ``op`` started at ``time.monotonic() == t0`` that failed with ``exc``."""
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return CollectiveError(f"collective '{op}' on the {self.describe()} failed after "
+                               f"{time.monotonic() - t0:.1f}s: {type(exc).__name__}: {first}")
+
+    def _call(self, op: str, fn, *args, **kwargs):
+        t0 = time.monotonic()
+        try:
+            return fn(*args, **kwargs)
+        except CollectiveError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a dead or stalled peer: name what was waited for
+            raise self.error(op, t0, exc) from exc
 
     def enable_stats(self) -> CommStats:
         """Start counting collectives on this communicator; returns the CommStats."""
@@ -156,7 +224,7 @@ class Communicator:
         self_in = (input_split_sizes[self.rank] if input_split_sizes is not None else inp.shape[0] // self.size) * row_in
         self_out = (output_split_sizes[self.rank] if output_split_sizes is not None else output.shape[0] // self.size) * row_out
         self._record(op, (inp.numel() - self_in) * es, (output.numel() - self_out) * es)
-        dist.all_to_all_single(output, inp, output_split_sizes, input_split_sizes, group=self.group)
+        self._call(op, dist.all_to_all_single, output, inp, output_split_sizes, input_split_sizes, group=self.group)
         return output
 
     def all_gather_into(self, output: torch.Tensor, inp: torch.Tensor, op="all_gather") -> torch.Tensor:
@@ -167,7 +235,7 @@ class Communicator:
         es = inp.element_size()
         self._record(op, inp.numel() * es * (self.size - 1), inp.numel() * es * (self.size - 1))
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        fn(output, inp.contiguous(), group=self.group)
+        self._call(op, fn, output, inp.contiguous(), group=self.group)
         return output
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, op="broadcast") -> torch.Tensor:
@@ -177,12 +245,70 @@ class Communicator:
         sent = tensor.numel() * tensor.element_size() * (self.size - 1) if self.rank == src else 0
         self._record(op, sent, 0 if self.rank == src else tensor.numel() * tensor.element_size())
         src_global = dist.get_global_rank(self.group, src) if self.group is not None else src
-        dist.broadcast(tensor, src=src_global, group=self.group)
+        self._call(op, dist.broadcast, tensor, src=src_global, group=self.group)
         return tensor
 
     def barrier(self) -> None:
         if self.size > 1:
-            dist.barrier(group=self.group)
+            self._call("barrier", dist.barrier, group=self.group)
+
+    # ------------------------------------------------------------------ ring (point to point)
+    @property
+    def next_rank(self) -> int:
+        """Group rank this rank sends to in a ring exchange."""
+        return (self.rank + 1) % self.size
+
+    @property
+    def prev_rank(self) -> int:
+        """Group rank this rank receives from in a ring exchange."""
+        return (self.rank - 1) % self.size
+
+    def ring_shift_start(self, send, recv, op: str = "ring_kv") -> RingShift:
+        """Post: ``send`` to the next rank, ``recv`` filled by the previous one (one batch_isend_irecv).
+
+        ``send`` / ``recv``: a tensor or a tuple of tensors (e.g. K and V: one batch, no packing copy),
+        pairwise of one shape and dtype, contiguous, the same on every rank. Returns a
+        :class:`RingShift`; call ``wait()`` before reading ``recv`` or writing ``send``. Size 1: a
+        local copy.
+        """
+        sends = (send,) if isinstance(send, torch.Tensor) else tuple(send)
+        recvs = (recv,) if isinstance(recv, torch.Tensor) else tuple(recv)
+        if len(sends) != len(recvs) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(sends, recvs)):
+            raise ValueError(f"ring shift needs send and recv tensors of one shape and dtype each, got "
+                             f"{[(tuple(a.shape), a.dtype) for a in sends]} and {[(tuple(b.shape), b.dtype) for b in recvs]}")
+        if not all(t.is_contiguous() for t in sends + recvs):
+            raise ValueError("ring shift needs contiguous send and recv buffers")
+        t0 = time.monotonic()
+        if self.size == 1:
+            for a, b in zip(sends, recvs):
+                b.copy_(a)
+            return RingShift(self, (), op, t0, recv)
+        nbytes = sum(t.numel() * t.element_size() for t in sends)
+        self._record(op, nbytes, nbytes)
+        nxt, prev = self.ranks[self.next_rank], self.ranks[self.prev_rank]
+        ops = [dist.P2POp(dist.isend, t, peer=nxt, group=self.group) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer=prev, group=self.group) for t in recvs]
+        works = self._call(op, dist.batch_isend_irecv, ops)
+        return RingShift(self, works, op, t0, recv)
+
+    def ring_shift_traced(self, send: torch.Tensor) -> torch.Tensor:
+        """The ring exchange as a functional collective (for code traced by ``torch.compile``).
+
+        One ``all_to_all_single`` in which this rank sends everything to the next rank and receives
+        everything from the previous one (the rotation PyTorch's context parallelism traces);
+        returns the received tensor (same shape), waited for at its first use.
+        """
+        if self.size == 1:
+            return send.clone()
+        n = send.numel()
+        out_splits = [n if r == self.prev_rank else 0 for r in range(self.size)]
+        in_splits = [n if r == self.next_rank else 0 for r in range(self.size)]
+        flat = send.reshape(-1)
+        if torch.compiler.is_compiling():
+            got = funcol.all_to_all_single(flat, out_splits, in_splits, group=self._funcol_group)
+        else:
+            got = self.all_to_all_single(torch.empty_like(flat), flat, out_splits, in_splits, op="ring_kv")
+        return got.view(send.shape)
 
     # ------------------------------------------------------------------ sequence helpers
     def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Process-group mesh (cfg x sequence) initialised from the torchrun environment.
+"""Process-group mesh (cfg x ring x ulysses) initialised from the torchrun environment.
 
 ``init_mesh(config)`` reads ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` (and ``MASTER_ADDR`` /
 ``MASTER_PORT`` for the default ``env://`` rendezvous), validates the requested degrees against the
@@ -7,9 +7,15 @@ on Ascend, gloo on CPU), initialises the default process group with a finite tim
 already did, and builds the sub-groups of the mesh. Every validation happens before the first
 collective, so a bad setting fails identically and immediately on every rank.
 
-Rank layout: ``rank = cfg_rank * sequence_degree + sequence_rank``. The ranks of one sequence group
-are contiguous (the chatty all_to_all traffic stays inside a node when a node holds a whole sequence
-group); a cfg group holds the ranks with the same ``sequence_rank``.
+Rank layout: ``rank = cfg_rank * sequence_degree + sequence_rank`` and, inside a sequence group,
+``sequence_rank = ring_rank * ulysses_degree + ulysses_rank``. The ranks of one Ulysses group are
+contiguous (the chatty all_to_all traffic stays inside a node when a node holds a whole Ulysses
+group); a ring group holds every ``ulysses_degree``-th rank of a sequence group (its point-to-point
+K/V traffic is the part that crosses nodes, hidden behind compute); a cfg group holds the ranks with
+the same ``sequence_rank``. With this order the sequence shards stay contiguous and equal in the
+flattened sequence group: the split hooks, the RoPE rows and the final gather are the same for any
+(ulysses, ring) split, and after the Ulysses all_to_all a rank holds super-chunk ``ring_rank`` of the
+sequence for its heads.
 
 Nothing here is a process-wide singleton: the mesh is an ordinary object owned by whoever created it
 (``ParallelManager`` keeps it on the boosted model's state). The only global state touched is
@@ -102,12 +108,17 @@ class ParallelMesh:
     Attributes:
         world_size, rank, local_rank: this process in the world.
         cfg_degree, sequence_degree: the mesh shape (``cfg_degree * sequence_degree == world_size``).
-        cfg_rank, sequence_rank: this rank's coordinates in the mesh.
+        ulysses_degree, ring_degree: the split of the sequence ranks (product = sequence_degree).
+        cfg_rank, sequence_rank, ulysses_rank, ring_rank: this rank's coordinates in the mesh.
         device, backend, timeout_s: where tensors live, which backend runs the collectives, and the
             collective timeout.
-        sequence: Communicator over the ranks sharing this rank's sequence (Ulysses).
+        sequence: Communicator over the ranks sharing this rank's sequence (the flattened
+            ulysses x ring group: sequence split and gather).
+        ulysses: Communicator over this rank's Ulysses group (all_to_all over heads).
+        ring: Communicator over this rank's ring group (K/V passed around).
         cfg: Communicator over the ranks that hold the same sequence shard of the other CFG branch.
         world: Communicator over all ranks (latent broadcast).
+        rotate_method: how Ring attention moves K/V ("p2p" or "allgather").
         owns_default_group: True when this mesh created the default process group (``destroy`` then
             tears it down).
     """
@@ -124,7 +135,25 @@ class ParallelMesh:
     cfg: Communicator
     world: Communicator
     owns_default_group: bool = False
+    ulysses_degree: int | None = None  # None: every sequence rank on Ulysses (ring_degree 1)
+    ring_degree: int = 1
+    ulysses: Communicator | None = None
+    ring: Communicator | None = None
+    rotate_method: str = "p2p"
     _destroyed: bool = field(default=False, repr=False)
+
+    def __post_init__(self):
+        if self.ulysses_degree is None:
+            self.ulysses_degree = self.sequence_degree // self.ring_degree
+        if self.ulysses_degree * self.ring_degree != self.sequence_degree:
+            raise ValueError(f"ulysses_degree={self.ulysses_degree} x ring_degree={self.ring_degree} must equal "
+                             f"sequence_degree={self.sequence_degree}")
+        if self.ulysses is None and self.ring_degree == 1:
+            self.ulysses = self.sequence
+        if self.ring is None and self.ulysses_degree == 1:
+            self.ring = self.sequence
+        if self.ulysses is None or self.ring is None:
+            raise ValueError("a mesh with both ulysses_degree and ring_degree > 1 needs its ulysses and ring communicators")
 
     @property
     def cfg_rank(self) -> int:
@@ -135,13 +164,25 @@ class ParallelMesh:
         return self.rank % self.sequence_degree
 
     @property
+    def ulysses_rank(self) -> int:
+        return self.sequence_rank % self.ulysses_degree
+
+    @property
+    def ring_rank(self) -> int:
+        return self.sequence_rank // self.ulysses_degree
+
+    @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
     def describe(self) -> str:
+        split = ""
+        if self.ring_degree > 1:
+            split = (f" = ring {self.ring_rank}/{self.ring_degree} x ulysses {self.ulysses_rank}/{self.ulysses_degree}"
+                     f", {self.rotate_method}")
         return (
             f"rank {self.rank}/{self.world_size} (cfg {self.cfg_rank}/{self.cfg_degree}, "
-            f"sequence {self.sequence_rank}/{self.sequence_degree}) on {self.device} via {self.backend or 'none'}"
+            f"sequence {self.sequence_rank}/{self.sequence_degree}{split}) on {self.device} via {self.backend or 'none'}"
         )
 
     def destroy(self) -> None:
@@ -160,7 +201,8 @@ class ParallelMesh:
                 dist.barrier()
             except Exception:  # noqa: BLE001 - a dead peer: tear down anyway
                 pass
-        for comm in (self.sequence, self.cfg):
+        comms = {id(c): c for c in (self.sequence, self.cfg, self.ulysses, self.ring) if c is not None}
+        for comm in comms.values():
             if comm.group is not None and comm.owns_group:
                 try:
                     dist.destroy_process_group(comm.group)
@@ -170,10 +212,15 @@ class ParallelMesh:
             dist.destroy_process_group()
 
 
-def _mesh_ranks(cfg_degree: int, sequence_degree: int):
+def _mesh_ranks(cfg_degree: int, sequence_degree: int, ulysses_degree: int | None = None):
+    """Global ranks of every (sequence, cfg, ulysses, ring) group, each list in group-rank order."""
+    u = sequence_degree if ulysses_degree is None else ulysses_degree
+    r = sequence_degree // u
     seq_groups = [list(range(c * sequence_degree, (c + 1) * sequence_degree)) for c in range(cfg_degree)]
     cfg_groups = [[c * sequence_degree + s for c in range(cfg_degree)] for s in range(sequence_degree)]
-    return seq_groups, cfg_groups
+    uly_groups = [[c * sequence_degree + i * u + j for j in range(u)] for c in range(cfg_degree) for i in range(r)]
+    ring_groups = [[c * sequence_degree + i * u + j for i in range(r)] for c in range(cfg_degree) for j in range(u)]
+    return seq_groups, cfg_groups, uly_groups, ring_groups
 
 
 def init_mesh(
@@ -212,7 +259,8 @@ def init_mesh(
     else:
         rank, local_rank, world_size = read_torchrun_env(env)
 
-    cfg_degree, sequence_degree = config.resolve(world_size)
+    cfg_degree, ulysses_degree, ring_degree = config.resolve_mesh(world_size)
+    sequence_degree = ulysses_degree * ring_degree
 
     if device is None:
         device = default_device(local_rank)
@@ -254,12 +302,16 @@ def init_mesh(
         owns_default = True
 
     world_group = dist.group.WORLD if world_size > 1 else None
-    seq_comm = Communicator(None, size=1, rank=0)
-    cfg_comm = Communicator(None, size=1, rank=0)
+    timeout_s = float(config.timeout_s)
+    comms = {name: Communicator(None, size=1, rank=0, name=name, ranks=(rank,), timeout_s=timeout_s)
+             for name in ("sequence", "cfg", "ulysses", "ring")}
     if world_size > 1:
-        seq_groups, cfg_groups = _mesh_ranks(cfg_degree, sequence_degree)
+        seq_groups, cfg_groups, uly_groups, ring_groups = _mesh_ranks(cfg_degree, sequence_degree, ulysses_degree)
+        layout = [("sequence", seq_groups, sequence_degree), ("cfg", cfg_groups, cfg_degree)]
+        if ring_degree > 1 and ulysses_degree > 1:  # else the sequence group serves both (no extra groups)
+            layout += [("ulysses", uly_groups, ulysses_degree), ("ring", ring_groups, ring_degree)]
         # Every rank creates every sub-group in the same order (new_group is collective).
-        for ranks_list, degree, is_seq in ((seq_groups, sequence_degree, True), (cfg_groups, cfg_degree, False)):
+        for name, ranks_list, degree in layout:
             for ranks in ranks_list:
                 if degree == world_size:
                     group, owns = dist.group.WORLD, False
@@ -268,12 +320,18 @@ def init_mesh(
                 else:
                     group, owns = dist.new_group(ranks, timeout=timeout), True
                 if rank in ranks and degree > 1:
-                    comm = Communicator(group, size=degree, rank=ranks.index(rank), owns_group=owns)
-                    if is_seq:
-                        seq_comm = comm
-                    else:
-                        cfg_comm = comm
-    world_comm = Communicator(world_group, size=world_size, rank=rank) if world_size > 1 else Communicator(None, 1, 0)
+                    comms[name] = Communicator(group, size=degree, rank=ranks.index(rank), owns_group=owns, name=name,
+                                               ranks=ranks, timeout_s=timeout_s)
+    seq_comm = comms["sequence"]
+    if ring_degree == 1:
+        comms["ulysses"] = seq_comm
+    if ulysses_degree == 1:  # the same process group, its own name (errors say "ring") and counters
+        comms["ring"] = (Communicator(seq_comm.group, size=seq_comm.size, rank=seq_comm.rank, name="ring",
+                                      ranks=seq_comm.ranks, timeout_s=timeout_s) if ring_degree > 1 else seq_comm)
+    if world_size > 1:
+        world_comm = Communicator(world_group, size=world_size, rank=rank, name="world", timeout_s=timeout_s)
+    else:
+        world_comm = Communicator(None, 1, 0, name="world")
     return ParallelMesh(
         world_size=world_size,
         rank=rank,
@@ -282,9 +340,14 @@ def init_mesh(
         sequence_degree=sequence_degree,
         device=device,
         backend=backend if world_size > 1 else None,
-        timeout_s=float(config.timeout_s),
+        timeout_s=timeout_s,
         sequence=seq_comm,
-        cfg=cfg_comm,
+        cfg=comms["cfg"],
         world=world_comm,
         owns_default_group=owns_default,
+        ulysses_degree=ulysses_degree,
+        ring_degree=ring_degree,
+        ulysses=comms["ulysses"],
+        ring=comms["ring"],
+        rotate_method=config.rotate_method,
     )

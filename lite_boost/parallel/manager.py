@@ -15,7 +15,7 @@ calls :func:`parallelize` here with the family's plans. Nothing here knows any m
    pipeline still makes both calls; the rank that does not own a pass returns a placeholder the
    exchange fills in place (the pipeline only combines the two after the second call). The passes
    are named by ``cache_context`` ("separate"), by the pipeline's guider ("guider") or by their order
-   ("ordered": cond, then uncond). A pipeline that batches the two branches ("batched" CFG) has each
+   (``CfgPlan.by_call_order``: cond, then uncond). A pipeline that batches the two branches ("batched" CFG) has each
    cfg rank run its half of the batch, and the output is gathered on the batch;
 4. the latents prepared by the pipeline are broadcast from rank 0, so every rank starts from the same
    noise even without a generator;
@@ -81,7 +81,7 @@ class _CfgActive:
     Without a flag attribute (the pipeline keeps the decision in a local variable), the pipeline's
     ``call_start`` method (called once at the start of every pipeline call) resets a counter and its
     ``encodes`` method (once per prompt) counts: two encodes = prompt and negative prompt = CFG.
-    ``calls`` counts the transformer calls under CFG since ``call_start`` ("ordered" kind: even = cond).
+    ``on_start`` callbacks also run at ``call_start`` (the pass order of ``CfgPlan.by_call_order``).
     The "guider" kind asks the pipeline's guider at every call (it may switch CFG off for some steps).
     """
 
@@ -89,7 +89,7 @@ class _CfgActive:
         self.pipe = pipe
         self.plan = plan
         self.encodes = 0
-        self.calls = 0
+        self.on_start: list = []
 
     def __call__(self) -> bool:
         if self.plan.kind == "guider":
@@ -113,11 +113,10 @@ class _CfgActive:
         """Wrap the pipeline's ``call_start`` / ``encodes`` methods on the instance (names into ``patched``)."""
         if self.plan.kind == "guider":
             return
-        if self.plan.flag is not None:
-            actions = ((self.plan.call_start, self._reset),) if self.plan.kind == "ordered" else ()
-        else:
-            actions = ((self.plan.call_start, self._reset), (self.plan.encodes, self._count))
-        for name, action in actions:
+        wrap = [] if self.plan.flag is not None else [(self.plan.encodes, self._count)]
+        if self.plan.flag is None or self.plan.by_call_order:
+            wrap.insert(0, (self.plan.call_start, self._reset))
+        for name, action in wrap:
             inner = getattr(self.pipe, name)
 
             def wrapper(*args, _inner=inner, _action=action, **kwargs):
@@ -129,7 +128,8 @@ class _CfgActive:
 
     def _reset(self):
         self.encodes = 0
-        self.calls = 0
+        for fn in self.on_start:
+            fn()
 
     def _count(self):
         self.encodes += 1
@@ -147,9 +147,20 @@ class _CfgForward:
         self.context: str | None = None
         self.pending: torch.Tensor | None = None  # cond result (rank 0) or placeholder (rank 1)
         self.calls = {"computed": 0, "deferred": 0}
+        self.order = 0  # CfgPlan.by_call_order: CFG calls seen since the pipeline call started
 
-    def _active(self) -> bool:
-        return self.context in (self.plan.cond, self.plan.uncond) and self.active()
+    def reset_order(self) -> None:
+        self.order = 0
+        self.pending = None
+
+    def _pass(self) -> str | None:
+        """The CFG pass this call computes (``plan.cond`` / ``plan.uncond``), or None (no CFG split)."""
+        if not self.active():
+            return None
+        if self.plan.by_call_order:
+            self.order += 1
+            return self.plan.cond if self.order % 2 else self.plan.uncond
+        return self.context if self.context in (self.plan.cond, self.plan.uncond) else None
 
     def _placeholder(self, args, kwargs) -> torch.Tensor:
         hs = kwargs.get("hidden_states", args[0] if args else None)
@@ -159,11 +170,12 @@ class _CfgForward:
         return torch.empty(shape, dtype=dtype, device=device)
 
     def __call__(self, *args, **kwargs):
-        if not self._active():
+        which = self._pass()
+        if which is None:
             self.calls["computed"] += 1
             return self.inner(*args, **kwargs)
         mine = self.mesh.cfg.rank  # 0 owns cond, 1 owns uncond
-        if self.context == self.plan.cond:
+        if which == self.plan.cond:
             if mine == 0:
                 self.calls["computed"] += 1
                 out = self.inner(*args, **kwargs)
@@ -193,22 +205,6 @@ class _CfgForward:
             placeholder.copy_(cond)
         self.pending = None
         return _wrap_like(kwargs, uncond)
-
-
-class _OrderedCfgForward(_CfgForward):
-    """``_CfgForward`` for pipelines that make the cond and uncond calls without context names.
-
-    While CFG runs, the transformer calls of one pipeline call alternate cond, uncond (the order of
-    every diffusers pipeline that calls once per branch); the pass is named from that count.
-    """
-
-    def __call__(self, *args, **kwargs):
-        if self.active():
-            self.context = self.plan.uncond if self.active.calls % 2 else self.plan.cond
-            self.active.calls += 1
-        else:
-            self.context = None
-        return super().__call__(*args, **kwargs)
 
 
 class _BatchedCfgForward:
@@ -338,7 +334,7 @@ def check_cfg(target, pipeline_plan: PipelinePlan | None, cfg_degree: int) -> No
     The "guider" kind needs the pipeline's guider to produce exactly the plan's two predictions
     (cond, uncond): guiders with a third (perturbed-attention, skip-layer guidance) are refused.
     """
-    cfg_plan = pipeline_plan.cfg if pipeline_plan is not None else None
+    cfg_plan = pipeline_plan.cfg_for(target) if pipeline_plan is not None else None
     if cfg_degree < 2 or cfg_plan is None or cfg_plan.kind != "guider":
         return
     guider = getattr(target, cfg_plan.guider, None)
@@ -394,6 +390,19 @@ def _install_vae(vae, adapter, config: BoostConfig, mesh: ParallelMesh) -> None:
 
 
 # ------------------------------------------------------------------------------------------ apply
+def _sequence_attention(mesh: ParallelMesh):
+    """The sequence-parallel wrapper factory ``(attn_fn, shard_info) -> wrapper`` of ``mesh``: Ulysses alone
+    (ring_degree 1), Ring alone (ulysses_degree 1) or USP (Ulysses over the contiguous ranks around Ring
+    over the strided ones); see :mod:`lite_boost.parallel.ring`."""
+    from .ring import sequence_parallel_attention
+
+    def wrap(attn_fn, shard_info):
+        return sequence_parallel_attention(attn_fn, mesh.ulysses, mesh.ring, shard_info,
+                                           rotate_method=mesh.rotate_method)
+
+    return wrap
+
+
 def parallelize(target, models, plans, pipeline_plan: PipelinePlan | None, config: BoostConfig,
                 mesh: ParallelMesh, *, vae_adapter=None):
     """Apply sequence / CFG parallelism to already boosted ``models`` of ``target``; returns ``target``.
@@ -411,12 +420,12 @@ def parallelize(target, models, plans, pipeline_plan: PipelinePlan | None, confi
     """
     if mesh.world_size == 1:
         return target
-    cfg_plan = pipeline_plan.cfg if pipeline_plan is not None else None
+    cfg_plan = pipeline_plan.cfg_for(target) if pipeline_plan is not None else None
     active = _CfgActive(target, cfg_plan) if cfg_plan is not None else None
     for model, plan in zip(models, plans):
         state = _ModelParallel(mesh=mesh)
         if mesh.sequence_degree > 1:
-            state.hooks = SequenceParallelHooks(model, plan, mesh.sequence).apply()
+            state.hooks = SequenceParallelHooks(model, plan, mesh.sequence, _sequence_attention(mesh)).apply()
             runtime = model._lite_boost.extras.get("cache")
             if runtime is not None:  # data-dependent cache decisions: one statistic per sequence group
                 from .cache import make_cache_rank_consistent
@@ -429,8 +438,10 @@ def parallelize(target, models, plans, pipeline_plan: PipelinePlan | None, confi
                     state.hooks.remove()
                     raise
         if mesh.cfg_degree > 1:
-            cls = {"batched": _BatchedCfgForward, "ordered": _OrderedCfgForward}.get(cfg_plan.kind, _CfgForward)
+            cls = _BatchedCfgForward if cfg_plan.kind == "batched" else _CfgForward
             cfg = cls(model, active, cfg_plan, mesh)
+            if cfg_plan.by_call_order:
+                active.on_start.append(cfg.reset_order)
             for name in ("forward", "cache_context"):
                 if name in model.__dict__:  # e.g. a diffusers cache hook's forward: put it back on removal
                     state.priors[name] = model.__dict__[name]

@@ -56,10 +56,9 @@ __all__ = [
 
 TEXT_POLICIES = ("replicate", "shard")
 # "separate": two transformer calls per step named by cache_context (Wan, Qwen-Image, Flux true CFG);
-# "batched": one call with cond and uncond stacked on the batch (LTX, CogVideoX); "ordered": two calls
-# per step, cond then uncond, without context names (HunyuanVideo I2V, Flux Kontext); "guider": one call
-# per condition of the pipeline's diffusers guider, named by the guider (HunyuanVideo-1.5); "none": no CFG.
-CFG_KINDS = ("separate", "batched", "ordered", "guider", "none")
+# "batched": one call with cond and uncond stacked on the batch (LTX, CogVideoX); "guider": one call per
+# condition of the pipeline's diffusers guider, named by the guider (HunyuanVideo-1.5); "none": no CFG.
+CFG_KINDS = ("separate", "batched", "guider", "none")
 
 
 class PlanError(TypeError):
@@ -153,13 +152,12 @@ class CfgPlan:
 
     kind: one of :data:`CFG_KINDS`. "separate": cond and uncond are two transformer calls, named
         ``cond`` / ``uncond`` by ``cache_context``; with cfg degree 2 each cfg rank computes one and
-        the results are exchanged. "ordered": the same two calls without context names: while CFG
-        runs, the transformer calls of one pipeline call alternate cond, uncond (counted from
-        ``call_start``; for pipelines with one transformer). "guider": the pipeline's diffusers guider (attribute ``guider``) runs one
-        call per condition inside ``cache_context(<its identifier>)``; CFG runs a step when the
-        guider has exactly the two conditions ``cond`` / ``uncond`` (ClassifierFreeGuidance:
-        ``pred_cond`` / ``pred_uncond``; it may switch CFG off for some steps); guiders with more
-        predictions are refused before any collective. "batched": one call inside
+        the results are exchanged (``by_call_order``: the same two calls without context names).
+        "guider": the pipeline's diffusers guider (attribute ``guider``) runs one call per condition
+        inside ``cache_context(<its identifier>)``; CFG runs a step when the guider has exactly the
+        two conditions ``cond`` / ``uncond`` (ClassifierFreeGuidance: ``pred_cond`` /
+        ``pred_uncond``; it may switch CFG off for some steps); guiders with more predictions are
+        refused before any collective. "batched": one call inside
         ``cache_context(cond)`` with the two branches stacked on the batch; with cfg degree 2 each
         cfg rank runs its half of the batch arguments ``batch_args`` and the output is gathered on
         the batch. "none": no CFG.
@@ -174,6 +172,10 @@ class CfgPlan:
         output, so the rank that defers a pass can return a placeholder of the right shape (needed
         when the pipeline takes a view of the output, e.g. slices the target tokens, before the
         exchange fills it); None = an empty placeholder resized at the exchange.
+    by_call_order: separate kind, for pipelines that name neither pass (no ``cache_context``, as
+        Flux's Img2Img / Inpaint / Kontext pipelines and HunyuanVideo's I2V pipeline): while CFG
+        runs, the transformer calls alternate cond, uncond (cond first), counted from the start of
+        each pipeline call (``call_start``, which is then required).
     """
 
     flag: str | None = "do_classifier_free_guidance"
@@ -184,6 +186,7 @@ class CfgPlan:
     call_start: str | None = None
     batch_args: tuple[str, ...] = ()
     output_shape: Callable | None = None
+    by_call_order: bool = False
     guider: str | None = None
 
     def __post_init__(self):
@@ -194,20 +197,32 @@ class CfgPlan:
                 raise PlanError("CfgPlan(kind='guider') needs guider= (the pipeline attribute holding the guider)")
         elif self.kind != "none" and self.flag is None and not (self.encodes and self.call_start):
             raise PlanError("CfgPlan needs a pipeline flag attribute, or encodes= and call_start= method names")
-        if self.kind == "ordered" and self.flag is not None and not self.call_start:
-            raise PlanError("CfgPlan(kind='ordered') needs call_start= (the pipeline method that starts a call, "
-                            "where the cond / uncond order is counted from)")
         if self.kind == "batched" and not self.batch_args:
             raise PlanError("CfgPlan(kind='batched') needs batch_args (the forward arguments holding both branches)")
+        if self.by_call_order and (self.kind != "separate" or not self.call_start):
+            raise PlanError("CfgPlan(by_call_order=True) needs kind='separate' and call_start= (the pipeline method "
+                            "that starts every call, where the order is reset)")
 
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """A pipeline's parallel layout: which attributes hold transformers, CFG, latent preparation."""
+    """A pipeline's parallel layout: which attributes hold transformers, CFG, latent preparation.
+
+    without_cfg: class names of the family's pipelines that run no classifier-free guidance at all
+    (guidance-distilled variants such as Flux's Control / Fill pipelines): ``cfg`` does not apply
+    to them, so cfg degree 2 is refused for them (subclasses included).
+    """
 
     transformers: tuple[str, ...] = ("transformer",)
     cfg: CfgPlan | None = field(default_factory=CfgPlan)
     prepare_latents: str | None = "prepare_latents"
+    without_cfg: tuple[str, ...] = ()
+
+    def cfg_for(self, pipe) -> CfgPlan | None:
+        """The CFG plan that applies to ``pipe`` (None for a pipeline listed in ``without_cfg``)."""
+        if any(cls.__name__ in self.without_cfg for cls in type(pipe).__mro__):
+            return None
+        return self.cfg
 
 
 def _arg_index(module: torch.nn.Module, arg: str) -> int | None:
@@ -225,12 +240,15 @@ class SequenceParallelHooks:
         model: the model instance (already boosted by its adapter).
         plan: its ShardingPlan.
         comm: Communicator of the sequence-parallel group.
+        wrap_attention: ``(attn_fn, shard_info) -> wrapper`` for each self-attention ``attn_fn``
+            (default: Ulysses over ``comm``; ``parallel.manager`` adds Ring / USP from the mesh).
     """
 
-    def __init__(self, model: torch.nn.Module, plan: ShardingPlan, comm: Communicator):
+    def __init__(self, model: torch.nn.Module, plan: ShardingPlan, comm: Communicator, wrap_attention=None):
         self.model = model
         self.plan = plan
         self.comm = comm
+        self.wrap_attention = wrap_attention or (lambda fn, info: UlyssesAttention(fn, comm, info))
         self.info = SequenceShardInfo(comm.size)
         self._handles = []
         self._wrapped = []  # (processor, original attn_fn)
@@ -382,7 +400,7 @@ class SequenceParallelHooks:
                 self._handles.append(mod.register_forward_hook(self._make_gather(spec)))
         for proc in getattr(self._state, plan.attention_processors):
             self._wrapped.append((proc, proc.attn_fn))
-            proc.attn_fn = UlyssesAttention(proc.attn_fn, self.comm, self.info)
+            proc.attn_fn = self.wrap_attention(proc.attn_fn, self.info)
         if plan.rope_range is not None and hasattr(self._state, plan.rope_range):
             self._old_rope_range = getattr(self._state, plan.rope_range)
             setattr(self._state, plan.rope_range, self._rope_range)

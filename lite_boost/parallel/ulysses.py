@@ -13,6 +13,13 @@ its end to a multiple of the degree). ``UlyssesAttention(attn_fn, comm)`` turns 
 The inner function is called once per rank with the full sequence, so anything that needs the whole
 sequence (block-sparse masks, token grids) works unchanged.
 
+Under USP (Ulysses around Ring attention, :mod:`lite_boost.parallel.ring`) the sequence group is
+``ring x ulysses`` and this wrapper runs over the Ulysses sub-group: after the all_to_all a rank
+holds super-chunk ``ring_rank`` (``ulysses_degree`` consecutive shards) for its heads, not the whole
+sequence. With ``chunk=True`` the super-chunk is handed to the inner (ring) function as it is, padded
+rows included (the ring trims each chunk to its valid length ``clamp(S - i * L, 0, L)`` and still
+relays the padded buffer), instead of being trimmed to the global sequence length.
+
 Joint attention (MMDiT blocks, :mod:`lite_boost.ops.joint`): ``wrapper(q, k, v, joint=JointTokens(...))``
 takes the sharded image / video stream as ``q, k, v`` and the text stream, replicated on every rank,
 as ``joint``. Only the sharded stream goes through the all_to_all; each rank hands the inner function
@@ -69,6 +76,9 @@ class UlyssesAttention:
         comm: Communicator over the sequence-parallel group.
         shard_info: SequenceShardInfo giving the real sequence length, or None when every shard is
             full (``size * S_local`` real tokens).
+        chunk: True when ``comm`` is the Ulysses sub-group of a larger sequence group (USP): the inner
+            function then receives this group's padded super-chunk (``size * S_local`` rows) and
+            trims it itself; False (default) = the whole sequence, trimmed to its real length.
 
     ``q``, ``k``, ``v`` passed to the wrapper are this rank's (B, S_local, H, D) shards with S_local
     equal on every rank. Extra keyword arguments are forwarded to ``attn_fn`` unchanged. The wrapper
@@ -81,7 +91,7 @@ class UlyssesAttention:
     """
 
     def __init__(self, attn_fn: Callable[..., torch.Tensor], comm: Communicator,
-                 shard_info: SequenceShardInfo | None = None):
+                 shard_info: SequenceShardInfo | None = None, *, chunk: bool = False):
         if not callable(attn_fn):
             raise TypeError(f"attn_fn must be callable, got {type(attn_fn).__name__}")
         if not isinstance(comm, Communicator):
@@ -89,9 +99,11 @@ class UlyssesAttention:
         self.attn_fn = attn_fn
         self.comm = comm
         self.shard_info = shard_info
+        self.chunk = bool(chunk)
 
     def __repr__(self) -> str:
-        return f"UlyssesAttention(degree={self.comm.size}, attn_fn={getattr(self.attn_fn, '__name__', self.attn_fn)!r})"
+        return (f"UlyssesAttention(degree={self.comm.size}{', chunk' if self.chunk else ''}, "
+                f"attn_fn={getattr(self.attn_fn, '__name__', self.attn_fn)!r})")
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, joint: JointTokens | None = None,
                  **kwargs):
@@ -106,7 +118,7 @@ class UlyssesAttention:
         B, s, H, D = q.shape
         seq_len = None
         if self.shard_info is not None and self.shard_info.seq_len is not None:
-            seq_len = self.shard_info.seq_len
+            seq_len = None if self.chunk else self.shard_info.seq_len  # USP: the ring trims each chunk
             if self.shard_info.shard_len != s:
                 raise RuntimeError(
                     f"UlyssesAttention got {s} local tokens but the sharded sequence has "

@@ -490,6 +490,29 @@ def _onednn_for_full_frame(module, x: torch.Tensor, weight, bias, full_rows: int
         return False
 
 
+# oneDNN reorders a CPU convolution's weight into its blocked layout at every call, so each call costs
+# at least that reorder, about 1.4 ms per MB of fp32 weight on one core (measured: 0.17 s for a 3x3x3
+# 1024 -> 1024 convolution, 113 MB, producing one output row; 9 ms per edge strip at 256 -> 256, 7 MB).
+# The overlapped exchange runs a halo convolution as three calls (inner rows + two edge strips); above
+# about 1 MB the two extra calls cost more than the exchange they hide (~3 ms for a gloo all_to_all on
+# a CPU host), so such convolutions take the single-call path (Wan2.2-5B's VAE: all but conv_out).
+_OVERLAP_MAX_WEIGHT_BYTES_CPU = 1 << 20
+
+
+def _check_overlap_halo(value) -> None:
+    if not (value is True or value is False or value == "auto"):
+        raise ConfigError(f"overlap_halo must be one of [True, False, 'auto'], got {value!r}")
+
+
+def _overlap_pays(module) -> bool:
+    """Whether the overlapped (three-call) path suits this halo module ("auto" policy): always off the
+    CPU, on the CPU only for weights up to ``_OVERLAP_MAX_WEIGHT_BYTES_CPU``."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu":
+        return True
+    return weight.numel() * weight.element_size() <= _OVERLAP_MAX_WEIGHT_BYTES_CPU
+
+
 class _Band:
     """The row split of the network call in progress (None between calls): rank band sizes at root level."""
 
@@ -509,15 +532,17 @@ class _SpatialSplit:
 
     ``defer_gather``: the root returns its band (the caller gathers the method's final output once,
     valid when everything after the network calls is row-local); ``root_sizes`` then holds the band
-    sizes of the split calls (None when no call was split).
+    sizes of the split calls (None when no call was split). ``overlap_halo``: True / False for every
+    halo module, or "auto" (per module, :func:`_overlap_pays`); it needs the layout's ``unpad``.
     """
 
     DIM = -2
 
     def __init__(self, layout: SpatialLayout, coll: _Collectives, defer_gather: bool = False,
-                 overlap_halo: bool = True):
+                 overlap_halo: bool | str = "auto"):
+        _check_overlap_halo(overlap_halo)
         self.layout = layout
-        self.overlap_halo = overlap_halo and layout.unpad is not None
+        self.overlap_halo = overlap_halo if layout.unpad is not None else False
         self.patched: list = []  # (module, attribute, had an instance attribute, previous), in patch order
         self.coll = coll
         self.band = _Band()
@@ -717,7 +742,7 @@ class _SpatialSplit:
                     seconds.add(id(b))
         try:
             for mod, rows in layout.halo:
-                if self.overlap_halo:
+                if self.overlap_halo is True or (self.overlap_halo == "auto" and _overlap_pays(mod)):
                     self._patch(mod, "forward", lambda orig, mod=mod, rows=rows: self._halo_forward(
                         mod, orig, rows, first_of=firsts.get(id(mod)), second=id(mod) in seconds))
                     continue
@@ -763,14 +788,18 @@ class ParallelVAE:
 
     Attributes: ``mode`` ("exact" | "chunked"), ``overlap``, ``chunk_size``, ``gather`` ("all" |
     "rank0"), ``comm`` (the Communicator), ``adapter``, ``last_plan`` (the ChunkPlan of the last
-    chunked call, for inspection), ``calls`` (counts per kind), ``record_phases`` (chunked mode: time
-    each call's phases into ``last_phases``, a list of ``{"name", "wall", "cpu", ...}`` records: one
-    ``"chunk"`` per own chunk with its frame range, then ``"concat_pad"``, ``"gather"``, ``"stitch"``;
-    off unless set, or unless the environment has ``LITE_BOOST_VAE_PHASES=1``).
+    chunked call, for inspection), ``calls`` (counts per kind), ``overlap_halo`` (exact mode: True =
+    start each halo exchange before convolving the band's inner rows, then convolve the two edge
+    strips; False = one convolution call after the exchange; "auto", the default = True where the
+    two extra calls pay, per module), ``record_phases`` (chunked mode: time each call's phases into
+    ``last_phases``, a list of ``{"name", "wall", "cpu", ...}`` records: one ``"chunk"`` per own
+    chunk with its frame range, then ``"concat_pad"``, ``"gather"``, ``"stitch"``; off unless set, or
+    unless the environment has ``LITE_BOOST_VAE_PHASES=1``).
     """
 
     def __init__(self, vae, adapter: VAEAdapter, comm: Communicator, *, mode: str, overlap: int | None = None,
-                 chunk_size: int | None = None, gather: str = "all", timeout_s: float | None = None):
+                 chunk_size: int | None = None, gather: str = "all", timeout_s: float | None = None,
+                 overlap_halo: bool | str = "auto"):
         if mode not in ("exact", "chunked"):
             raise ConfigError(f"vae_parallel must be one of ['exact', 'chunked'] to install, got {mode!r}")
         if gather not in VAE_GATHER:
@@ -779,6 +808,7 @@ class ParallelVAE:
             _check_pos_int("vae_overlap", overlap)
         if chunk_size is not None:
             _check_pos_int("vae_chunk_size", chunk_size)
+        _check_overlap_halo(overlap_halo)
         self.vae = vae
         self.adapter = adapter
         self.comm = comm
@@ -791,8 +821,9 @@ class ParallelVAE:
         self.previous: dict[str, Any] = {}
         self.last_plan: ChunkPlan | None = None
         self.calls = {"decode": 0, "encode": 0}
-        # exact mode: overlap each halo exchange with the convolution of the band's inner rows
-        self.overlap_halo = True
+        # exact mode: overlap each halo exchange with the convolution of the band's inner rows (True),
+        # never (False), or where the extra convolution calls pay ("auto": see _overlap_pays)
+        self.overlap_halo: bool | str = overlap_halo
         # chunked mode: when True, each call's phases (per chunk, concat/pad, gather, stitch) are timed
         # into ``last_phases`` (benchmarks; env LITE_BOOST_VAE_PHASES=1 turns it on at install)
         self.record_phases = os.environ.get("LITE_BOOST_VAE_PHASES", "") not in ("", "0")
@@ -921,10 +952,11 @@ def parallel_vae_state(vae) -> ParallelVAE | None:
 
 def parallelize_vae(vae, comm: Communicator, *, mode: str | None = "exact", overlap: int | None = None,
                     chunk_size: int | None = None, gather: str = "all", timeout_s: float | None = None,
-                    adapter: VAEAdapter | None = None) -> ParallelVAE | None:
+                    adapter: VAEAdapter | None = None, overlap_halo: bool | str = "auto") -> ParallelVAE | None:
     """Install the parallel decode / encode on ``vae`` (instance patch; ``unparallelize_vae`` removes it).
 
     mode: "exact", "chunked" or "off" (None = "exact" when ``comm.size > 1``, else "off").
+    overlap_halo (exact mode): True, False or "auto" (see :class:`ParallelVAE`).
     Raises UnsupportedVAEError / ConfigError before any collective. Returns the runner or None (off).
     """
     if mode is None:
@@ -936,7 +968,7 @@ def parallelize_vae(vae, comm: Communicator, *, mode: str | None = "exact", over
     if mode == "off":
         return None
     runner = ParallelVAE(vae, adapter, comm, mode=mode, overlap=overlap, chunk_size=chunk_size, gather=gather,
-                         timeout_s=timeout_s)
+                         timeout_s=timeout_s, overlap_halo=overlap_halo)
     return runner.install()
 
 

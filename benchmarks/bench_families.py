@@ -263,6 +263,25 @@ def _rss_bytes() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _fit_15(results, s480: int) -> str:
+    """Exact fit of each variant's allocator peak over S = video + text tokens (bytes = a + b S + c S^2,
+    through three measured token counts), evaluated at 480p; '' with fewer than three counts."""
+    lines = []
+    for variant in ("stock", "lite_boost"):
+        rows = sorted((r["tokens"] + TEXT_15, r["allocator_peak"]) for r in results
+                      if r["variant"] == variant and "allocator_peak" in r)
+        if len(rows) < 3:
+            return ""
+        (x0, y0), (x1, y1), (x2, y2) = rows[0], rows[len(rows) // 2], rows[-1]
+        c = ((y2 - y0) / (x2 - x0) - (y1 - y0) / (x1 - x0)) / (x2 - x1)  # divided differences
+        b = (y1 - y0) / (x1 - x0) - c * (x0 + x1)
+        a = y0 - b * x0 - c * x0 * x0
+        lines.append(f"{variant}: {a / 2**20:.1f} MiB + {b:,.0f} S + {c:.2f} S^2 bytes -> "
+                     f"{(a + b * s480 + c * s480 * s480) / 2**30:.2f} GiB at S = {s480:,}")
+    return ("\n\nFit of the allocator peak through the measured rows (S = video + text tokens), evaluated at "
+            "480p: " + "; ".join(lines) + ".")
+
+
 def bench_hunyuan_video_15_memory(args) -> None:
     results = []
     for tokens in (int(x) for x in args.tokens.split(",")):
@@ -291,6 +310,7 @@ def bench_hunyuan_video_15_memory(args) -> None:
                      f"{lb['rss_peak_increase'] / 2**30:.3f} GiB", f"{(2 + esize) * s * s / 2**30:.2f} GiB",
                      f"{st['seconds']:.1f} / {lb['seconds']:.1f} s"))
     s480 = TOKENS_480P + TEXT_15
+    fit = _fit_15(results, s480)
     text = (f"## HunyuanVideo-1.5: peak memory of one attention call\n\n"
             f"{args.heads} heads x {args.head_dim}, {args.dtype}, batch 1, text side {TEXT_15:,} tokens "
             f"(1000 Qwen + 256 ByT5 + 729 SigLIP, {args.valid} real), each variant in a fresh process after a small "
@@ -303,7 +323,7 @@ def bench_hunyuan_video_15_memory(args) -> None:
             + f"\n\nAt 480p (480 x 848 x 121 -> {TOKENS_480P:,} video tokens + {TEXT_15:,} = {s480:,}) the dense mask "
               f"alone is (2 + {esize}) x {s480:,}^2 bytes = {(2 + esize) * s480 * s480 / 2**30:.1f} GiB per attention "
               f"call in {args.dtype} (one {s480:,}^2 bool mask = {s480 * s480 / 2**30:.2f} GiB), extrapolated "
-              "analytically from the measured rows; the key-padding mask is (B, T) bools.")
+              "analytically from the measured rows; the key-padding mask is (B, T) bools." + fit)
     _write(f"families_hunyuan_video15_memory_{args.dtype}", text, {"args": vars(args), "results": results})
 
 

@@ -192,10 +192,10 @@ def toy_cases(rank, world_size, init_method):
             par = pipe.transformer._lite_boost.extras["parallel"]
             out[name] = {"maxdiff": max((g - ref).abs().max().item() for g in got), "ref_abs": ref.abs().max().item(),
                          "cfg_calls": dict(par.cfg.calls)}
-        for name, cfg_degree in (("ulysses", 1), ("batched_cfg", 2)):
+        for name, cfg_degree, batch in (("ulysses", 1, 2), ("batched_cfg", 2, 2), ("batched_cfg_batch1", 2, 1)):
             torch.manual_seed(0)
             ref_pipe = ToyPipeline(lite_boost.boost(ToyTransformer()))
-            x, t, per_token, first_n = inputs()
+            x, t, per_token, first_n = inputs(batch=batch)
             with torch.no_grad():
                 ref = ref_pipe(x, t, per_token, first_n)
             torch.manual_seed(0)

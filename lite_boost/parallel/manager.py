@@ -239,8 +239,18 @@ class _BatchedCfgForward:
         part = x.shape[0] // n
         return x.narrow(0, self.mesh.cfg.rank * part, part)
 
+    def _arg(self, args, kwargs, name):
+        if name in kwargs:
+            return kwargs[name]
+        i = self.index.get(name, len(args))
+        return args[i] if i < len(args) else None
+
     def __call__(self, *args, **kwargs):
-        if self.context != self.plan.cond or not self.active():
+        lead = self._arg(args, kwargs, self.plan.batch_args[0]) if self.plan.batch_args else None
+        # a batch the cfg ranks cannot share (CFG off in this call: batch 1): the whole call on every rank
+        # (the same decision everywhere: every rank holds the same arguments)
+        odd = isinstance(lead, torch.Tensor) and lead.ndim > 0 and lead.shape[0] % self.mesh.cfg_degree != 0
+        if self.context != self.plan.cond or odd or not self.active():
             self.calls["computed"] += 1
             return self.inner(*args, **kwargs)
         self.calls["split"] += 1

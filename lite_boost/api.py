@@ -123,7 +123,7 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
     the instances; ``unparallelize(target)`` removes it.
     """
     from .parallel.groups import ParallelMesh, init_mesh
-    from .parallel.manager import check_vae, parallelize, unparallelize, world_size_of
+    from .parallel.manager import check_cfg, check_vae, parallelize, unparallelize, world_size_of
 
     config = BoostConfig.coerce(config)
     if mesh is not None and not isinstance(mesh, ParallelMesh):
@@ -147,6 +147,7 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
             f"cfg_degree={cfg_degree} needs a pipeline that runs classifier-free guidance; "
             f"{type(target).__name__} is not one. Valid cfg_degree here: [1]"
         )
+    check_cfg(target, pplan, cfg_degree)
     unsupported_vae = family.features["parallel_vae"] if family is not None else None
     vae_adapter = check_vae(target, config, mesh, unsupported=unsupported_vae)  # before any collective
     if config.cache is not None:

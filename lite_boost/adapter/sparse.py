@@ -11,7 +11,10 @@ otherwise runs ``lite_boost.ops.sparse_attention``.
 Joint attention (``attn_fn(q, k, v, joint=JointTokens(...))``) runs as the reference does: the text
 tokens go in front of the image tokens (``txt_len``; attention does not depend on the key order, so
 this holds for [image, text] families too) and are kept dense in both directions; the image tokens
-get the block mask. A text key-padding mask runs the call dense (the block-sparse kernel takes none).
+get the block mask. Padded text (a key-padding mask, as HunyuanVideo's text padded to 256 tokens):
+when every sample of the batch pads the same tokens, the padded ones are left out of the sparse call
+(they are never attended as keys) and their query rows run dense against the real keys, as in dense
+attention; masks that differ within the batch run the call dense (the block-sparse kernel takes none).
 
 Under ``torch.compile`` all of that stays eager: the step tracking and each attention call are
 opaque custom ops of the graph (``torch.ops.lite_boost_graph.sparse_*``), so the schedule, the
@@ -179,16 +182,22 @@ class ScheduledSparseAttention:
         n = q.shape[1] if ring is None else ring.seq_len  # the whole sequence's length
         if why is None and (grid is None or math.prod(grid) != n or k.shape[1] != q.shape[1]):
             why = f"sequence length {n} does not match the latent grid {grid}"
+        padded = None  # (real, padded) text token indices when the padded ones are left out
         if why is None and joint is not None and joint.key_mask is not None:
             if bool(joint.key_mask.all()):  # nothing padded (a mask of ones): the same attention without it
                 joint = joint._replace(key_mask=None)
             else:
-                why = "the text has a key-padding mask (the block-sparse kernel takes none)"
+                padded = _padding_split(joint.key_mask)
+                if padded is None:
+                    why = "the text has a key-padding mask (the block-sparse kernel takes none)"
         if why is not None:
             return self._dense(q, k, v, joint, why, ring)
         txt = 0
+        whole = joint
         if joint is not None:  # text in front, kept dense by sparse_attention (txt_len)
             joint.check(q, v)
+            if padded is not None:  # only the real text tokens take part in the sparse call
+                joint = JointTokens(*(x.index_select(1, padded[0]) for x in joint[:3]), None, joint.first)
             txt = joint.length
             n += txt
             q, k, v = (torch.cat([j, x], dim=1) for j, x in ((joint.q, q), (joint.k, k), (joint.v, v)))
@@ -214,7 +223,22 @@ class ScheduledSparseAttention:
         self._record(stats.path, stats.reason, stats.reused, stats.effective_sparsity, stats.backend)
         if joint is None:
             return out
-        return out[:, txt:], out[:, :txt]
+        if padded is None:
+            return out[:, txt:], out[:, :txt]
+        # padded text queries attend every real key (text and image), dense, as in dense attention
+        real, pad = padded
+        text_out = out.new_empty(whole.q.shape[:3] + (out.shape[-1],))
+        text_out.index_copy_(1, real, out[:, :txt])
+        text_out.index_copy_(1, pad, self.dense_fn(whole.q.index_select(1, pad), k, v).to(out.dtype))
+        return out[:, txt:], text_out
+
+
+def _padding_split(key_mask: torch.Tensor):
+    """(real, padded) token indices of a (B, T) key mask that every sample shares, else None."""
+    first = key_mask[0]
+    if key_mask.shape[0] > 1 and not bool((key_mask == first).all()):
+        return None
+    return first.nonzero().squeeze(1), (~first).nonzero().squeeze(1)
 
 
 def install_sparse(transformer, boost_state) -> None:

@@ -13,9 +13,10 @@ calls :func:`parallelize` here with the family's plans. Nothing here knows any m
    the conditional pass runs on cfg rank 0 and the unconditional pass on cfg rank 1 at the same
    time; the two results are exchanged with one all_gather at the end of the second call. The
    pipeline still makes both calls; the rank that does not own a pass returns a placeholder the
-   exchange fills in place (the pipeline only combines the two after the second call). A pipeline
-   that batches the two branches ("batched" CFG) has each cfg rank run its half of the batch, and
-   the output is gathered on the batch;
+   exchange fills in place (the pipeline only combines the two after the second call). The passes
+   are named by ``cache_context`` ("separate"), by the pipeline's guider ("guider") or by their order
+   (``CfgPlan.by_call_order``: cond, then uncond). A pipeline that batches the two branches ("batched" CFG) has each
+   cfg rank run its half of the batch, and the output is gathered on the batch;
 4. the latents prepared by the pipeline are broadcast from rank 0, so every rank starts from the same
    noise even without a generator;
 5. the pipeline's VAE decode / encode is spread over the ranks where a parallel-VAE adapter exists.
@@ -31,11 +32,11 @@ from typing import Any
 
 import torch
 
-from ..config import BoostConfig
+from ..config import BoostConfig, ConfigError
 from .groups import ParallelMesh, init_mesh
 from .plan import PipelinePlan, PlanError, SequenceParallelHooks
 
-__all__ = ["initialize_usp", "parallelize", "unparallelize", "PlanError", "parallel_state", "check_vae"]
+__all__ = ["initialize_usp", "parallelize", "unparallelize", "PlanError", "parallel_state", "check_vae", "check_cfg"]
 
 logger = logging.getLogger("lite_boost.parallel")
 
@@ -75,12 +76,13 @@ def _wrap_like(kwargs, tensor):
 
 
 class _CfgActive:
-    """Whether the pipeline runs CFG in its current call: ``CfgPlan.flag``, or the encode counter.
+    """Whether the pipeline runs CFG in its current call: ``CfgPlan.flag``, the encode counter, or the guider.
 
     Without a flag attribute (the pipeline keeps the decision in a local variable), the pipeline's
     ``call_start`` method (called once at the start of every pipeline call) resets a counter and its
     ``encodes`` method (once per prompt) counts: two encodes = prompt and negative prompt = CFG.
     ``on_start`` callbacks also run at ``call_start`` (the pass order of ``CfgPlan.by_call_order``).
+    The "guider" kind asks the pipeline's guider at every call (it may switch CFG off for some steps).
     """
 
     def __init__(self, pipe, plan):
@@ -90,12 +92,27 @@ class _CfgActive:
         self.on_start: list = []
 
     def __call__(self) -> bool:
+        if self.plan.kind == "guider":
+            return self.guider_conditions() == 2
         if self.plan.flag is not None:
             return bool(getattr(self.pipe, self.plan.flag, False))
         return self.encodes >= 2
 
+    def guider_conditions(self) -> int:
+        """The number of conditions (transformer calls) the pipeline's guider runs this step."""
+        guider = getattr(self.pipe, self.plan.guider, None)
+        if guider is None:
+            return 1
+        n = int(guider.num_conditions)
+        if n > 2:  # the same on every rank, before any collective of this call
+            raise PlanError(f"CFG parallelism splits two conditions ({self.plan.cond!r}, {self.plan.uncond!r}); the "
+                            f"pipeline's {type(guider).__name__} runs {n} this step")
+        return n
+
     def install(self, patched: list) -> None:
         """Wrap the pipeline's ``call_start`` / ``encodes`` methods on the instance (names into ``patched``)."""
+        if self.plan.kind == "guider":
+            return
         wrap = [] if self.plan.flag is not None else [(self.plan.encodes, self._count)]
         if self.plan.flag is None or self.plan.by_call_order:
             wrap.insert(0, (self.plan.call_start, self._reset))
@@ -319,6 +336,24 @@ def _broadcast_latents(pipe, name: str, mesh: ParallelMesh):
         return out
 
     object.__setattr__(pipe, name, prepare)
+
+
+def check_cfg(target, pipeline_plan: PipelinePlan | None, cfg_degree: int) -> None:
+    """ConfigError, before any collective, when CFG parallelism cannot split ``target``'s guidance.
+
+    The "guider" kind needs the pipeline's guider to produce exactly the plan's two predictions
+    (cond, uncond): guiders with a third (perturbed-attention, skip-layer guidance) are refused.
+    """
+    cfg_plan = pipeline_plan.cfg_for(target) if pipeline_plan is not None else None
+    if cfg_degree < 2 or cfg_plan is None or cfg_plan.kind != "guider":
+        return
+    guider = getattr(target, cfg_plan.guider, None)
+    predictions = list(getattr(guider, "_input_predictions", None) or [])
+    if guider is None or predictions != [cfg_plan.cond, cfg_plan.uncond]:
+        what = "no guider" if guider is None else f"a {type(guider).__name__} predicting {predictions}"
+        raise ConfigError(f"cfg_degree={cfg_degree} splits the guider's two predictions {[cfg_plan.cond, cfg_plan.uncond]} "
+                          f"over two ranks; {type(target).__name__}.{cfg_plan.guider} is {what}. Valid cfg_degree "
+                          "here: [1] (or use a two-prediction guider such as ClassifierFreeGuidance)")
 
 
 # ------------------------------------------------------------------------------------------ VAE

@@ -56,8 +56,9 @@ __all__ = [
 
 TEXT_POLICIES = ("replicate", "shard")
 # "separate": two transformer calls per step named by cache_context (Wan, Qwen-Image, Flux true CFG);
-# "batched": one call with cond and uncond stacked on the batch (LTX, CogVideoX); "none": no CFG.
-CFG_KINDS = ("separate", "batched", "none")
+# "batched": one call with cond and uncond stacked on the batch (LTX, CogVideoX); "guider": one call per
+# condition of the pipeline's diffusers guider, named by the guider (HunyuanVideo-1.5); "none": no CFG.
+CFG_KINDS = ("separate", "batched", "guider", "none")
 
 
 class PlanError(TypeError):
@@ -108,11 +109,16 @@ class RankArg:
 
         RankArg("transformer_blocks.*", "first_frame_num_tokens",
                 lambda n, start, stop: max(0, min(n - start, stop - start)))
+
+    ``optional``: modules whose ``forward`` has no argument ``arg`` are left alone instead of
+    failing the plan check (a model variant whose blocks lack it: HunyuanVideo's text-to-video blocks
+    take no ``num_tokens``, its image-to-video token-replace blocks do).
     """
 
     module: str
     arg: str
     fn: Callable[[object, int, int], object]
+    optional: bool = False
 
 
 @dataclass(frozen=True)
@@ -149,13 +155,20 @@ class CfgPlan:
 
     kind: one of :data:`CFG_KINDS`. "separate": cond and uncond are two transformer calls, named
         ``cond`` / ``uncond`` by ``cache_context``; with cfg degree 2 each cfg rank computes one and
-        the results are exchanged. "batched": one call inside ``cache_context(cond)`` with the two
-        branches stacked on the batch; with cfg degree 2 each cfg rank runs its half of the batch
-        arguments ``batch_args`` and the output is gathered on the batch. "none": no CFG.
+        the results are exchanged (``by_call_order``: the same two calls without context names).
+        "guider": the pipeline's diffusers guider (attribute ``guider``) runs one call per condition
+        inside ``cache_context(<its identifier>)``; CFG runs a step when the guider has exactly the
+        two conditions ``cond`` / ``uncond`` (ClassifierFreeGuidance: ``pred_cond`` /
+        ``pred_uncond``; it may switch CFG off for some steps); guiders with more predictions are
+        refused before any collective. "batched": one call inside
+        ``cache_context(cond)`` with the two branches stacked on the batch; with cfg degree 2 each
+        cfg rank runs its half of the batch arguments ``batch_args`` and the output is gathered on
+        the batch. "none": no CFG.
     flag: pipeline attribute that is truthy when CFG runs this call, or None when the pipeline
         keeps it in a local variable (then ``encodes``: CFG runs iff the pipeline method ``encodes``
         ran twice since ``call_start`` last ran, once for the prompt and once for the negative
-        prompt, as in Qwen-Image's pipelines).
+        prompt, as in Qwen-Image's pipelines). Not used by the "guider" kind.
+    guider: "guider" kind: the pipeline attribute holding the diffusers guider.
     cond / uncond: the ``cache_context`` names of the two passes (batched: ``cond`` names the call).
     batch_args: batched kind: the forward arguments that carry the two branches on dim 0.
     output_shape: separate kind: ``output_shape(model, args, kwargs) -> shape`` of the transformer
@@ -163,9 +176,9 @@ class CfgPlan:
         when the pipeline takes a view of the output, e.g. slices the target tokens, before the
         exchange fills it); None = an empty placeholder resized at the exchange.
     by_call_order: separate kind, for pipelines that name neither pass (no ``cache_context``, as
-        Flux's Img2Img / Inpaint / Kontext pipelines): while CFG runs, the transformer calls
-        alternate cond, uncond (cond first), counted from the start of each pipeline call
-        (``call_start``, which is then required).
+        Flux's Img2Img / Inpaint / Kontext pipelines and HunyuanVideo's I2V pipeline): while CFG
+        runs, the transformer calls alternate cond, uncond (cond first), counted from the start of
+        each pipeline call (``call_start``, which is then required).
     """
 
     flag: str | None = "do_classifier_free_guidance"
@@ -177,11 +190,15 @@ class CfgPlan:
     batch_args: tuple[str, ...] = ()
     output_shape: Callable | None = None
     by_call_order: bool = False
+    guider: str | None = None
 
     def __post_init__(self):
         if self.kind not in CFG_KINDS:
             raise PlanError(f"CfgPlan.kind must be one of {list(CFG_KINDS)}, got {self.kind!r}")
-        if self.kind != "none" and self.flag is None and not (self.encodes and self.call_start):
+        if self.kind == "guider":
+            if not self.guider:
+                raise PlanError("CfgPlan(kind='guider') needs guider= (the pipeline attribute holding the guider)")
+        elif self.kind != "none" and self.flag is None and not (self.encodes and self.call_start):
             raise PlanError("CfgPlan needs a pipeline flag attribute, or encodes= and call_start= method names")
         if self.kind == "batched" and not self.batch_args:
             raise PlanError("CfgPlan(kind='batched') needs batch_args (the forward arguments holding both branches)")
@@ -271,7 +288,7 @@ class SequenceParallelHooks:
                             f"{plan.attention_processors!r}")
         for s in (*plan.split_inputs, *plan.rank_args):
             for mod in self._modules(s.module):
-                if _arg_index(mod, s.arg) is None:
+                if _arg_index(mod, s.arg) is None and not getattr(s, "optional", False):
                     raise PlanError(f"module {s.module!r} ({type(mod).__name__}).forward has no argument {s.arg!r}")
         for g in (*plan.gather_outputs, *plan.split_outputs):
             self._modules(g.module)
@@ -376,7 +393,9 @@ class SequenceParallelHooks:
                 self._handles.append(mod.register_forward_pre_hook(self._make_split_input(spec, mod), with_kwargs=True))
         for spec in plan.rank_args:
             for mod in self._modules(spec.module):
-                self._handles.append(mod.register_forward_pre_hook(self._make_rank_arg(spec, mod), with_kwargs=True))
+                if _arg_index(mod, spec.arg) is not None:  # (optional rank args skip modules without it)
+                    self._handles.append(mod.register_forward_pre_hook(self._make_rank_arg(spec, mod),
+                                                                       with_kwargs=True))
         for spec in plan.split_outputs:
             for mod in self._modules(spec.module):
                 self._handles.append(mod.register_forward_hook(self._make_split_output(spec)))

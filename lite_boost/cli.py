@@ -812,7 +812,9 @@ def generate(args, argv: list[str]) -> int:
     print(f"\nwrote {written} [{fmt}]")
     print()
     # phases the boost leaves alone: their "speed-up" would only be run-to-run noise
-    vae_parallel = world > 1 and getattr(config.parallel, "vae_parallel", "off") not in ("off", False)
+    from lite_boost.parallel.vae import parallel_vae_state
+
+    vae_parallel = world > 1 and parallel_vae_state(getattr(pipe, "vae", None)) is not None  # what really ran parallel
     untouched = ("text encode",) + (() if vae_parallel else ("VAE decode",))
     print(format_timing_table(rows, untouched=untouched))
     if stock_frames is not None:

@@ -296,3 +296,13 @@ def test_features_a_family_lacks_are_named_by_option(tmp_path):
     for (flags, world), _ in cases:
         args = build_parser().parse_args(["generate", "--family", "qwen-image", *flags])
         check_family_options(qwen, "QwenImagePipeline", args, _boost_config(args), world)
+
+
+def test_boost_manager_yaml_as_config_is_checked_before_torchrun(no_launch, tmp_path):
+    path = tmp_path / "boost.yaml"
+    path.write_text("Parallel:\n  dit:\n    alg: CP\n    world_size: 4\n  vae:\n    alg: DP\n")
+    with pytest.raises(SystemExit, match=r"world_size=4 .* does not match the launched world size 2"):
+        main(["generate", "--config", str(path), "--nproc", "2"])
+    path.write_text("Parallel:\n  dit:\n    alg: TP\n")
+    with pytest.raises(SystemExit, match=r"Parallel\.dit\.alg must be one of \['CP'\], got 'TP'"):
+        main(["generate", "--config", str(path)])

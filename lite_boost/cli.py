@@ -53,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="4k+1 frames, video families only (default: the pipeline's own, Wan 81; 25 tiny)")
     gen.add_argument("--steps", type=int, default=None,
                      help="denoising steps (default: the pipeline's own for --model, 50; 10 for the tiny models)")
-    gen.add_argument("--guidance-scale", type=float, default=5.0,
-                     help="classifier-free guidance scale (Qwen-Image: true_cfg_scale); <= 1 runs no CFG")
+    gen.add_argument("--guidance-scale", type=float, default=None,
+                     help="classifier-free guidance scale (Qwen-Image: true_cfg_scale); <= 1 runs no CFG (default: "
+                          "the pipeline's own for --model, 5 for the tiny models)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default bfloat16 on GPU/NPU, float32 on CPU")
     gen.add_argument("--device", default=None, help="cpu, cuda, npu (default: the accelerator if present)")
@@ -528,12 +529,15 @@ def _call_kwargs(args, kind, tiny: bool, family_name: str = "wan", pipe=None):
 
     params = set(inspect.signature(pipe.__call__).parameters) if pipe is not None else None
     video = "num_frames" in params if params is not None else family_name == "wan"
-    if tiny:
-        shape, steps = (DEMO_SHAPE, DEMO_STEPS) if family_name == "wan" else (DEMO_QWEN_SHAPE + (None,), DEMO_QWEN_STEPS)
-    else:
+    if not tiny:
         shape, steps = (None, None, None), None
+    elif family_name == "wan":
+        shape, steps = DEMO_SHAPE, DEMO_STEPS
+    else:
+        shape, steps = DEMO_QWEN_SHAPE + (None,), DEMO_QWEN_STEPS
     kw = {}
-    cfg = args.guidance_scale > 1
+    scale = args.guidance_scale if args.guidance_scale is not None else (5.0 if tiny else None)
+    cfg = scale is None or scale > 1  # None: the pipeline's default scale, CFG on for every registered pipeline
     if family_name == "qwen-image" and getattr(pipe, "text_encoder", None) is None:
         from lite_boost.demo import qwen_demo_prompt_kwargs  # no text encoder (the tiny model): random embeddings
 
@@ -546,7 +550,8 @@ def _call_kwargs(args, kind, tiny: bool, family_name: str = "wan", pipe=None):
                        ("num_inference_steps", args.steps or steps)):
         if value is not None:
             kw[key] = value
-    kw[_CFG_ARGUMENT.get(family_name, "guidance_scale")] = args.guidance_scale
+    if scale is not None:
+        kw[_CFG_ARGUMENT.get(family_name, "guidance_scale")] = scale
     kw["output_type"] = "np"
     if args.image is not None:
         from PIL import Image
@@ -629,10 +634,12 @@ def _block_work_counter(counter, models):
     """``counter(models, blocks, ffn, attn)`` with the block list and the feed-forward / self-attention child
     names these transformers have (Wan: blocks / ffn / attn1; Qwen-Image, Flux: transformer_blocks / img_mlp or
     ff / attn), or None when they have none of those."""
+    import torch
+
     names = None
     for m in models:
-        blocks_attr = next((a for a in ("blocks", "transformer_blocks") if isinstance(getattr(m, a, None),
-                                                                                     torch_module_list())), None)
+        blocks_attr = next((a for a in ("blocks", "transformer_blocks")
+                            if isinstance(getattr(m, a, None), torch.nn.ModuleList)), None)
         if blocks_attr is None or not len(getattr(m, blocks_attr)):
             return None
         last = getattr(m, blocks_attr)[-1]
@@ -642,12 +649,6 @@ def _block_work_counter(counter, models):
             return None
         names = (blocks_attr, ffn, attn)
     return counter(models, *names) if names is not None else None
-
-
-def torch_module_list():
-    import torch
-
-    return torch.nn.ModuleList
 
 
 def applied_summary(pipe, config, work=None, device=None, dtype=None) -> list[str]:

@@ -140,6 +140,20 @@ def test_tiny_qwen_image_defaults():
     assert "negative_prompt_embeds" not in no_cfg
 
 
+def test_model_runs_take_the_pipelines_own_defaults():
+    from lite_boost.cli import _call_kwargs, build_parser
+    from lite_boost.demo import tiny_wan_pipeline
+
+    pipe = tiny_wan_pipeline("t2v")
+    kw = _call_kwargs(build_parser().parse_args(["generate", "--model", "/m"]), "t2v", tiny=False, pipe=pipe)
+    assert not {"height", "width", "num_frames", "num_inference_steps", "guidance_scale"} & set(kw)
+    kw = _call_kwargs(build_parser().parse_args(["generate", "--model", "/m", "--height", "32", "--num-frames", "9",
+                                                 "--guidance-scale", "3"]), "t2v", tiny=False, pipe=pipe)
+    assert (kw["height"], kw["num_frames"], kw["guidance_scale"]) == (32, 9, 3.0) and "width" not in kw
+    tiny = _call_kwargs(build_parser().parse_args(["generate"]), "t2v", tiny=True, pipe=pipe)
+    assert (tiny["height"], tiny["width"], tiny["num_frames"], tiny["guidance_scale"]) == (192, 256, 25, 5.0)
+
+
 def test_family_flag_takes_registered_families_and_runs_only_tiny_ones():
     from lite_boost.registry import families
 
@@ -176,8 +190,8 @@ def test_detect_family_finds_a_subclass_through_diffusers(tmp_path, monkeypatch)
 
 @pytest.mark.parametrize("content, fragment", [
     ('{"_class_name": "StableDiffusionPipeline"}',
-     r"holds a StableDiffusionPipeline, which lite_boost does not support; supported pipeline classes: \[.*'WanPipeline'"
-     r".*'QwenImagePipeline'.*'FluxPipeline'"),
+     r"holds a StableDiffusionPipeline, which lite_boost does not support; supported pipeline classes: "
+     r"\[.*'WanPipeline'.*'QwenImagePipeline'.*'FluxPipeline'"),
     ('{"_diffusers_version": "0.42.1"}', r"names no pipeline class \(_class_name\)"),
     ("{not json", "cannot read"),
 ])

@@ -315,8 +315,9 @@ def check_not_cached(model) -> None:
 def check_cache_support(target, cache_config, *, cfg_degree: int = 1) -> CacheAdapter | None:
     """Raise ConfigError unless ``target``'s family supports ``cache_config.method``; returns its adapter.
 
-    ``cfg_degree`` > 1 (CFG parallelism) additionally needs a method that keeps one state per branch.
-    Runs before anything is modified (and, under ParallelManager, before any collective).
+    ``cfg_degree`` > 1 (CFG parallelism) additionally needs a method that keeps one state per branch,
+    and, for a pipeline that batches cond and uncond (CfgPlan kind "batched"), one whose decisions do
+    not depend on the activations (each cfg rank holds half of the batch). Runs before anything is modified (and, under ParallelManager, before any collective).
     """
     if cache_config is None:
         return None
@@ -344,6 +345,13 @@ def check_cache_support(target, cache_config, *, cfg_degree: int = 1) -> CacheAd
         why = adapter.why_not.get(method)
         raise _error(f"cache method {method!r} is not supported for {type(target).__name__}"
                      f"{' (' + why + ')' if why else ''}; supported: {list(adapter.methods)}")
+    cfg_plan = getattr(getattr(family, "pipeline", None), "cfg", None)
+    if cfg_degree > 1 and spec.data_dependent and getattr(cfg_plan, "kind", None) == "batched":
+        fixed = [n for n in adapter.methods if not CACHE_METHODS[n].data_dependent and CACHE_METHODS[n].per_branch_state]
+        raise _error(f"cache method {method!r} decides from the activations of the whole batch, and "
+                     f"{type(target).__name__} batches cond and uncond, which CFG parallelism splits over the cfg "
+                     f"ranks (each would decide on its half, unlike one process); with cfg_degree={cfg_degree} use "
+                     f"one of {fixed}")
     for model in family.transformers_of(target):
         check_not_cached(model)
         if adapter.check is not None:

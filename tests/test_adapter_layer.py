@@ -222,3 +222,39 @@ def test_call_args_rewrite_the_call_before_anything_else_sees_it():
     hook.remove()
     fam.boost_transformer.unboost(model)
     assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_broadcast_split_input_passes_a_size_one_sequence_dim():
+    """SplitInput(broadcast=True): per-token (B, S) values are split with the tokens, one value per sample
+    given as (B, 1) passes whole (without the flag it would be taken for a 1-token sequence)."""
+    from lite_boost.parallel.comm import Communicator
+    from lite_boost.parallel.plan import SequenceParallelHooks
+
+    class Stop(Exception):
+        pass
+
+    def run(broadcast, timestep):
+        model = cases.toy_family().boost_transformer(cases.ToyTransformer())
+        plan = ShardingPlan((SplitInput("", "hidden_states", dim=1),
+                             SplitInput("", "timestep", dim=1, ndim=2, broadcast=broadcast)),
+                            (GatherOutput("proj_out", 1),))
+        hooks = SequenceParallelHooks(model, plan, Communicator(None, size=2, rank=1)).apply()  # local splits only
+        seen = []
+
+        def record(mod, args, kwargs):
+            seen.append(kwargs["timestep"])
+            raise Stop
+
+        model.register_forward_pre_hook(record, with_kwargs=True)  # after the split hooks
+        try:
+            with pytest.raises(Stop):
+                model(hidden_states=torch.randn(2, 7, 5), timestep=timestep)
+        finally:
+            hooks.remove()
+        return seen[0]
+
+    per_token, per_sample = torch.rand(2, 7), torch.rand(2, 1)
+    assert torch.equal(run(True, per_token), torch.cat([per_token[:, 4:], torch.zeros(2, 1)], dim=1))  # rank 1's rows
+    assert torch.equal(run(True, per_sample), per_sample)
+    with pytest.raises(RuntimeError, match="sequence length changed within one forward: 7 -> 1"):
+        run(False, per_sample)

@@ -162,6 +162,18 @@ def test_step_tracker_without_scheduler_counts_timesteps():
     assert tr.total is None
 
 
+def test_step_tracker_reads_per_token_timesteps_by_their_noisiest_token():
+    """Image-to-video per-token timesteps keep the conditioning tokens (first) at 0 every step: the
+    step and a new generation still follow the schedule."""
+    tr = StepTracker()
+    out = []
+    for t in (900, 700, 500, 900):
+        per_token = torch.tensor([[0.0, t, t], [0.0, t, t]])
+        tr.observe(per_token)
+        out.append((tr.step, tr.generation))
+    assert out == [(0, 0), (1, 0), (2, 0), (0, 1)]
+
+
 def test_config_backend_overrides_the_environment(stock):
     pipe, _ = stock
     cfg = SparseConfig(sparsity=0.6, block_size=16, window=(1, 4, 4), backend="reference")

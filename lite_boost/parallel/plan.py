@@ -71,7 +71,9 @@ class SplitInput:
     ``module`` may contain ``*`` (every matching module). A tuple or list of tensors (RoPE tables a
     pipeline passes in, as CogVideoX's ``image_rotary_emb``) has each element split. ``ndim``: split
     only when the tensor has this many dims (e.g. per-token timesteps), else pass. ``defines_length``:
-    this tensor's ``dim`` is the sequence (sets / checks the sequence length).
+    this tensor's ``dim`` is the sequence (sets / checks the sequence length). ``broadcast``: a size-1
+    ``dim`` broadcasts over the sequence and passes unsplit (one timestep per sample given as (B, 1),
+    as LTXConditionPipeline does without a condition, next to (B, S) per-token timesteps).
     """
 
     module: str
@@ -79,6 +81,7 @@ class SplitInput:
     dim: int
     ndim: int | None = None
     defines_length: bool = True
+    broadcast: bool = False
 
 
 @dataclass(frozen=True)
@@ -305,7 +308,8 @@ class SequenceParallelHooks:
 
     def _make_split_input(self, spec: SplitInput, module: torch.nn.Module):
         def fits(x):
-            return isinstance(x, torch.Tensor) and (spec.ndim is None or x.ndim == spec.ndim)
+            return (isinstance(x, torch.Tensor) and (spec.ndim is None or x.ndim == spec.ndim)
+                    and not (spec.broadcast and x.ndim and x.shape[spec.dim] == 1))
 
         def split(x):
             if fits(x):

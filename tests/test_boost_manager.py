@@ -140,6 +140,9 @@ def test_boost_manager_config_forms_reach_the_boost():
                    lite_boost.SparseConfig(sparsity=0.5)):
         pipe = BoostManager(tiny_wan_pipeline("t2v"), config)
         assert pipe.transformer._lite_boost.config.sparse == sparse_ref.transformer._lite_boost.config.sparse
+    manager = BoostManager(config={"sparse": {"sparsity": 0.5}})
+    assert manager(tiny_wan_pipeline("t2v")).transformer._lite_boost.config.sparse.sparsity == 0.5  # the instance's
+    assert manager(tiny_wan_pipeline("t2v"), config={}).transformer._lite_boost.config.sparse is None  # the call's
 
 
 def test_boost_manager_refuses_before_touching_the_target(monkeypatch, tmp_path):

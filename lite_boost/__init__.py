@@ -4,6 +4,7 @@
     pipe = lite_boost.boost(pipe)                     # one process
     from lite_boost.parallel import ParallelManager
     pipe = ParallelManager(pipe)                      # under torchrun: sequence / CFG parallel
+    pipe = lite_boost.BoostManager(pipe, config="boost.yaml")   # MindSpore Lite 2.11's name and YAML schema
 """
 
 from .config import BoostConfig, CacheConfig, ConfigError, ParallelConfig, QuantConfig, SparseConfig
@@ -21,6 +22,7 @@ __all__ = [
     "boost",
     "unboost",
     "ParallelManager",
+    "BoostManager",
 ]
 
 
@@ -29,4 +31,8 @@ def __getattr__(name):  # keep `import lite_boost` light: diffusers is imported 
         from . import api
 
         return getattr(api, name)
+    if name == "BoostManager":
+        from .manager import BoostManager
+
+        return BoostManager
     raise AttributeError(f"module 'lite_boost' has no attribute {name!r}")

@@ -1,8 +1,10 @@
-"""``lite-boost`` command line: ``generate`` a video (stock vs boosted timing) and ``env``.
+"""``lite-boost`` command line: ``generate`` a video or an image (stock vs boosted timing), ``env``, ``models``.
 
     lite-boost generate                       # built-in tiny random-weight Wan T2V on the CPU, no download
     lite-boost generate --image cat.png       # image-to-video
+    lite-boost generate --family qwen-image   # built-in tiny Qwen-Image text-to-image (PNG)
     lite-boost generate --model /path/Wan2.1-T2V-1.3B-Diffusers --height 480 --width 832 --num-frames 81
+    lite-boost generate --model /path/Qwen-Image   # family read from model_index.json
     lite-boost generate --nproc 2             # same under torchrun, Ulysses sequence parallel
     lite-boost env                            # versions, devices, usable attention backends
     lite-boost models                         # supported model families and the features of each
@@ -11,6 +13,8 @@
 from __future__ import annotations
 
 import argparse
+import inspect
+import json
 import logging
 import os
 import platform
@@ -18,7 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["main", "build_parser", "write_video", "models_report"]
+__all__ = ["main", "build_parser", "write_video", "write_image", "models_report", "detect_family",
+           "family_for_pipeline_class", "resolve_family", "check_family_options"]
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
@@ -28,16 +33,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lite-boost", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate a video with a boosted Wan pipeline and time it against stock")
-    gen.add_argument("--model", default=None, help="diffusers folder of a Wan pipeline (default: built-in tiny model)")
+    gen = sub.add_parser("generate", help="generate a video or an image with a boosted pipeline and time it "
+                                          "against stock")
+    gen.add_argument("--model", default=None,
+                     help="diffusers pipeline folder; its family is read from model_index.json (default: the "
+                          "built-in tiny model of --family)")
+    gen.add_argument("--family", default=None,
+                     help="model family (`lite-boost models` lists them; default wan, or the --model's); without "
+                          "--model only families with a built-in tiny model run: wan, qwen-image")
     gen.add_argument("--image", default=None, help="conditioning image: image-to-video")
     gen.add_argument("--prompt", default=None)
     gen.add_argument("--negative-prompt", default=None)
-    gen.add_argument("--height", type=int, default=None, help="default 480 for --model, 192 for the tiny model")
-    gen.add_argument("--width", type=int, default=None, help="default 832 for --model, 256 for the tiny model")
-    gen.add_argument("--num-frames", type=int, default=None, help="4k+1 frames (default 81 / 25)")
-    gen.add_argument("--steps", type=int, default=None, help="denoising steps (default 50 / 10)")
-    gen.add_argument("--guidance-scale", type=float, default=5.0)
+    gen.add_argument("--height", type=int, default=None,
+                     help="default: the pipeline's own for --model (Wan 480), 192 for the tiny Wan, 256 for the tiny "
+                          "Qwen-Image")
+    gen.add_argument("--width", type=int, default=None,
+                     help="default: the pipeline's own for --model (Wan 832), 256 for the tiny Wan and Qwen-Image")
+    gen.add_argument("--num-frames", type=int, default=None,
+                     help="4k+1 frames, video families only (default: the pipeline's own, Wan 81; 25 tiny)")
+    gen.add_argument("--steps", type=int, default=None,
+                     help="denoising steps (default: the pipeline's own for --model, 50; 10 for the tiny models)")
+    gen.add_argument("--guidance-scale", type=float, default=None,
+                     help="classifier-free guidance scale (Qwen-Image: true_cfg_scale); <= 1 runs no CFG (default: "
+                          "the pipeline's own for --model, 5 for the tiny models)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default bfloat16 on GPU/NPU, float32 on CPU")
     gen.add_argument("--device", default=None, help="cpu, cuda, npu (default: the accelerator if present)")
@@ -71,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-compare", action="store_true", help="skip the stock diffusers run")
     gen.add_argument("--warmup", type=int, default=1,
                      help="untimed one-step runs (latent output) before each timed run, to exclude one-time costs")
-    gen.add_argument("--output", default=None, help="video path (default outputs/lite_boost_<t2v|i2v>.mp4)")
+    gen.add_argument("--output", default=None,
+                     help="video path (default outputs/lite_boost_<t2v|i2v>.mp4); image families write a PNG "
+                          "(default outputs/lite_boost_<t2i|i2i>.png)")
     gen.add_argument("--fps", type=int, default=16)
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     gen.add_argument("-v", "--verbose", action="store_true", help="log backend choices")
@@ -206,6 +226,183 @@ def write_video(frames, path: str | os.PathLike, fps: int = 16) -> tuple[Path, s
         return out, "numpy .npy (no imageio-ffmpeg or Pillow)"
 
 
+def write_image(image, path: str | os.PathLike) -> tuple[Path, str]:
+    """Write one (H, W, 3) image in [0, 1] (the first of a batch, or a video's first frame) as PNG (Pillow),
+    else .npy. Returns the path written and the format used."""
+    import numpy as np
+
+    arr = np.asarray(image)
+    while arr.ndim > 3:
+        arr = arr[0]
+    arr8 = (np.clip(arr, 0.0, 1.0) * 255).round().astype(np.uint8)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        from PIL import Image
+
+        out = path.with_suffix(".png")
+        Image.fromarray(arr8).save(out)
+        return out, "PNG (Pillow)"
+    except Exception:  # noqa: BLE001 - no Pillow
+        out = path.with_suffix(".npy")
+        np.save(out, arr8)
+        return out, "numpy .npy (no Pillow)"
+
+
+# ----------------------------------------------------------------------------------------------- #
+# families: which one a run uses, and what it can do                                              #
+# ----------------------------------------------------------------------------------------------- #
+
+# the pipeline class of each built-in tiny model, by family and kind (lite_boost.demo builds them)
+_TINY_PIPELINES = {("wan", "t2v"): "WanPipeline", ("wan", "i2v"): "WanImageToVideoPipeline",
+                   ("qwen-image", "t2i"): "QwenImagePipeline"}
+# families whose pipelines take the CFG scale under another name than guidance_scale
+_CFG_ARGUMENT = {"qwen-image": "true_cfg_scale"}
+
+
+def _registered_families() -> dict:
+    from lite_boost.registry import families
+
+    return {f.name: f for f in families()}
+
+
+def family_for_pipeline_class(class_name: str):
+    """The registered family of a diffusers pipeline class name (or of its nearest registered base), or None.
+
+    The name is matched against the families' pipeline names first; a subclass is found through diffusers'
+    class of that name (importing the class, never weights).
+    """
+    fams = list(_registered_families().values())
+    for fam in fams:
+        if class_name in fam.pipelines:
+            return fam
+    try:
+        import diffusers
+
+        cls = getattr(diffusers, class_name, None)
+    except Exception:  # noqa: BLE001 - a class whose optional dependencies are missing: not ours either
+        cls = None
+    for base in (cls.__mro__[1:] if isinstance(cls, type) else ()):
+        for fam in fams:
+            if base.__name__ in fam.pipelines:
+                return fam
+    return None
+
+
+def detect_family(model_dir: str | os.PathLike):
+    """(family, pipeline class name) of a diffusers pipeline folder, from its ``model_index.json``
+    ``_class_name``; SystemExit naming the supported pipeline classes for one lite_boost does not know."""
+    index = Path(model_dir, "model_index.json")
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"lite-boost generate: --model {model_dir}: cannot read {index} ({exc})") from None
+    name = data.get("_class_name") if isinstance(data, dict) else None
+    if not isinstance(name, str) or not name:
+        raise SystemExit(f"lite-boost generate: --model {model_dir}: {index} names no pipeline class (_class_name)")
+    family = family_for_pipeline_class(name)
+    if family is None:
+        supported = [n for f in _registered_families().values() for n in f.pipelines]
+        raise SystemExit(f"lite-boost generate: --model {model_dir} holds a {name}, which lite_boost does not "
+                         f"support; supported pipeline classes: {supported}")
+    return family, name
+
+
+def resolve_family(args):
+    """(family, pipeline class name) of a generate run: the --model's, else --family's built-in tiny model (wan)."""
+    from lite_boost.demo import TINY_FAMILIES
+
+    fams = _registered_families()
+    if args.family is not None and args.family not in fams:
+        raise SystemExit(f"lite-boost generate: --family must be one of {list(fams)}, got {args.family!r}")
+    if args.model is not None:
+        family, class_name = detect_family(args.model)
+        if args.family is not None and args.family != family.name:
+            raise SystemExit(f"lite-boost generate: --family {args.family} does not match --model {args.model}, a "
+                             f"{class_name} (the {family.name} family); drop --family or pass --family {family.name}")
+        return family, class_name
+    name = args.family or "wan"
+    if name not in TINY_FAMILIES:
+        raise SystemExit(f"lite-boost generate: --family {name} has no built-in tiny model: pass --model PATH (a "
+                         f"diffusers {name} pipeline folder) or a family with one: {list(TINY_FAMILIES)}")
+    kind = _tiny_kind(name, args)
+    if (name, kind) not in _TINY_PIPELINES:
+        raise SystemExit(f"lite-boost generate: --image is not supported by the built-in tiny {name} model; built-in "
+                         f"image-conditioned models: {[f for f, k in _TINY_PIPELINES if k.startswith('i')]} (or pass "
+                         "--model with a pipeline that takes an image)")
+    return fams[name], _TINY_PIPELINES[name, kind]
+
+
+def _tiny_kind(family_name: str, args) -> str:
+    video = family_name == "wan"
+    return ("i2v" if video else "i2i") if args.image else ("t2v" if video else "t2i")
+
+
+def _pipeline_parameters(class_name: str) -> set[str] | None:
+    """The argument names of a diffusers pipeline class's ``__call__`` (None when the class cannot be imported)."""
+    try:
+        import diffusers
+
+        cls = getattr(diffusers, class_name)
+        return set(inspect.signature(cls.__call__).parameters)
+    except Exception:  # noqa: BLE001 - unknown to this diffusers: the pipeline itself will say what it takes
+        return None
+
+
+def check_family_options(family, class_name: str, args, config, world_size: int) -> None:
+    """SystemExit naming the option when the run asks for something the family or pipeline cannot do.
+
+    Runs before torchrun is launched and before any model is built: features the family lacks
+    (``lite-boost models``), CFG parallel without CFG, frames for an image pipeline, an image for a
+    pipeline that takes none.
+    """
+    from lite_boost.config import ConfigError
+
+    def option(flag: str, key: str) -> str:
+        return flag if args.config is None else f"{key} (from --config {args.config})"
+
+    def refuse(what: str, feature: str):
+        others = [f.name for f in _registered_families().values() if f.supports(feature)]
+        raise SystemExit(f"lite-boost generate: {what} is not supported for the {family.name} family "
+                         f"({family.features[feature]}); families with {feature}: {others}")
+
+    p = config.parallel
+    if config.sparse is not None and config.sparse.sparse_type is not None and not family.supports("sparse"):
+        refuse(option(f"--sparsity {config.sparse.sparsity:g}", "sparse"), "sparse")
+    if p.cfg_degree > 1 and not family.supports("cfg_parallel"):
+        refuse(option(f"--cfg-degree {p.cfg_degree}", "parallel.cfg_degree"), "cfg_parallel")
+    if world_size > 1:
+        try:
+            _, seq = p.resolve(world_size)
+        except ConfigError as exc:
+            raise SystemExit(f"lite-boost generate: {exc}") from None
+        if seq > 1 and not family.supports("sequence_parallel"):
+            refuse(option(f"--nproc {world_size} (sequence degree {seq})", "parallel"), "sequence_parallel")
+        if p.vae_parallel in ("exact", "chunked") and not family.supports("parallel_vae"):
+            refuse(option(f"--vae-parallel {p.vae_parallel}", "parallel.vae_parallel"), "parallel_vae")
+    if config.cache is not None:
+        if not family.supports("step_cache"):
+            refuse(option(f"--cache {config.cache.method}", "cache"), "step_cache")
+        methods = list(family.cache.methods)
+        if config.cache.method not in methods:
+            raise SystemExit(f"lite-boost generate: {option('--cache ' + config.cache.method, 'cache.method')} is "
+                             f"not available for the {family.name} family; its step caches: {methods}")
+    if config.quant is not None and not family.supports("quant"):
+        refuse(option(f"--quant {config.quant.method}", "quant"), "quant")
+    try:
+        family.check_config(config)  # anything else the family refuses
+    except ConfigError as exc:
+        raise SystemExit(f"lite-boost generate: {exc}") from None
+    params = _pipeline_parameters(class_name)
+    if params is not None:
+        if args.num_frames is not None and "num_frames" not in params:
+            raise SystemExit(f"lite-boost generate: --num-frames is for video pipelines; {class_name} (the "
+                             f"{family.name} family) makes images")
+        if args.image is not None and "image" not in params:
+            raise SystemExit(f"lite-boost generate: --image is not supported by {class_name}, which takes no "
+                             "conditioning image")
+
+
 def _torchrun_command(args, argv: list[str]) -> list[str]:
     rest, skip = [], False
     for i, a in enumerate(argv):
@@ -273,10 +470,11 @@ def _validate_generate(args) -> None:
 
 
 def _sparsity(args) -> float:
-    """--sparsity, or its default: 0 (dense) with --model, DEMO_SPARSITY for the built-in tiny model."""
+    """--sparsity, or its default: 0 (dense) with --model and the tiny image models, DEMO_SPARSITY for the
+    built-in tiny Wan."""
     if args.sparsity is not None:
         return args.sparsity
-    if getattr(args, "model", None) is None:
+    if getattr(args, "model", None) is None and (getattr(args, "family", None) or "wan") == "wan":
         from lite_boost.demo import DEMO_SPARSITY
 
         return DEMO_SPARSITY
@@ -300,42 +498,70 @@ def _boost_config(args):
                        quant=quant)
 
 
-def _load_pipeline(args, kind, device, dtype):
+def _load_pipeline(args, kind, device, dtype, family_name: str = "wan"):
     import torch
 
-    if args.model is None:
+    if args.model is None and family_name == "qwen-image":
+        from lite_boost.demo import DEMO_QWEN_SPEC, tiny_qwen_image_pipeline
+
+        pipe = tiny_qwen_image_pipeline(kind, spec=DEMO_QWEN_SPEC, dtype=dtype)
+    elif args.model is None:
         from lite_boost.demo import DEMO_SPEC, DEMO_VAE_BASE_DIM, tiny_wan_pipeline
 
         pipe = tiny_wan_pipeline(kind, spec=DEMO_SPEC, dtype=dtype, vae_base_dim=DEMO_VAE_BASE_DIM)
     else:
         from diffusers import DiffusionPipeline
 
-        pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=dtype)
+        # components saved as None (a pipeline saved without its text encoder, say) load as None
+        index = json.loads(Path(args.model, "model_index.json").read_text(encoding="utf-8"))
+        absent = {k: None for k, v in index.items() if not k.startswith("_") and v in ([None, None], None)}
+        pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=dtype, **absent)
         if getattr(pipe, "vae", None) is not None:
-            pipe.vae.to(torch.float32)  # Wan's VAE is run in fp32 by diffusers' examples
+            pipe.vae.to(torch.float32)  # the VAEs run in fp32 (diffusers' Wan examples do)
     pipe.to(device)
     return pipe
 
 
-def _call_kwargs(args, kind, tiny: bool):
-    import torch
-    from lite_boost.demo import DEMO_NEGATIVE_PROMPT, DEMO_PROMPT, DEMO_SHAPE, DEMO_STEPS
+def _call_kwargs(args, kind, tiny: bool, family_name: str = "wan", pipe=None):
+    """The pipeline call of a run. Sizes and steps not given: the tiny model's defaults, else the pipeline's own."""
+    from lite_boost.demo import (DEMO_NEGATIVE_PROMPT, DEMO_PROMPT, DEMO_QWEN_SHAPE, DEMO_QWEN_STEPS, DEMO_SHAPE,
+                                 DEMO_STEPS)
 
-    kw = dict(
-        prompt=args.prompt or DEMO_PROMPT,
-        negative_prompt=args.negative_prompt if args.negative_prompt is not None else DEMO_NEGATIVE_PROMPT,
-        height=args.height or (DEMO_SHAPE[0] if tiny else 480),
-        width=args.width or (DEMO_SHAPE[1] if tiny else 832),
-        num_frames=args.num_frames or (DEMO_SHAPE[2] if tiny else 81),
-        num_inference_steps=args.steps or (DEMO_STEPS if tiny else 50),
-        guidance_scale=args.guidance_scale,
-        output_type="np",
-    )
-    if kind == "i2v":
+    params = set(inspect.signature(pipe.__call__).parameters) if pipe is not None else None
+    video = "num_frames" in params if params is not None else family_name == "wan"
+    if not tiny:
+        shape, steps = (None, None, None), None
+    elif family_name == "wan":
+        shape, steps = DEMO_SHAPE, DEMO_STEPS
+    else:
+        shape, steps = DEMO_QWEN_SHAPE + (None,), DEMO_QWEN_STEPS
+    kw = {}
+    scale = args.guidance_scale if args.guidance_scale is not None else (5.0 if tiny else None)
+    cfg = scale is None or scale > 1  # None: the pipeline's default scale, CFG on for every registered pipeline
+    if family_name == "qwen-image" and getattr(pipe, "text_encoder", None) is None:
+        from lite_boost.demo import qwen_demo_prompt_kwargs  # no text encoder (the tiny model): random embeddings
+
+        kw.update(qwen_demo_prompt_kwargs(pipe.transformer.config.joint_attention_dim, cfg=cfg, seed=args.seed))
+    else:
+        kw["prompt"] = args.prompt or DEMO_PROMPT
+        kw["negative_prompt"] = args.negative_prompt if args.negative_prompt is not None else DEMO_NEGATIVE_PROMPT
+    for key, value in (("height", args.height or shape[0]), ("width", args.width or shape[1]),
+                       ("num_frames", (args.num_frames or shape[2]) if video else None),
+                       ("num_inference_steps", args.steps or steps)):
+        if value is not None:
+            kw[key] = value
+    if scale is not None:
+        kw[_CFG_ARGUMENT.get(family_name, "guidance_scale")] = scale
+    kw["output_type"] = "np"
+    if args.image is not None:
         from PIL import Image
 
-        kw["image"] = Image.open(args.image).convert("RGB").resize((kw["width"], kw["height"]))
-        kw["max_sequence_length"] = 512
+        image = Image.open(args.image).convert("RGB")
+        if "height" in kw and "width" in kw:
+            image = image.resize((kw["width"], kw["height"]))
+        kw["image"] = image
+        if family_name == "wan":
+            kw["max_sequence_length"] = 512
     kw["_seed"] = args.seed
     return kw
 
@@ -355,13 +581,25 @@ def _run(pipe, kw, device_type, warmup: int = 0, counter=None):
                     "generator": torch.Generator(device="cpu").manual_seed(seed)})
     kw["generator"] = torch.Generator(device="cpu").manual_seed(seed)
     with torch.inference_mode(), PhaseTimer(pipe, device_type) as timer, (counter or contextlib.nullcontext()):
-        frames = pipe(**kw, callback_on_step_end=timer.callback).frames
-    return frames, timer.times
+        out = pipe(**kw, callback_on_step_end=timer.callback)
+    frames = getattr(out, "frames", None)
+    return (out.images if frames is None else frames), timer.times
 
 
-def _demo_model_line(pipe, kw) -> str:
+def _demo_model_line(pipe, kw, family_name: str = "wan") -> str:
     """What the built-in model is: random weights, its transformer and tokens, the small VAE."""
     cfg = pipe.transformer.config
+    if family_name == "qwen-image":
+        from lite_boost.demo import DEMO_QWEN_TEXT_LEN
+
+        down = pipe.vae_scale_factor * cfg.patch_size
+        h, w = kw["height"] // down, kw["width"] // down
+        text = (f"{DEMO_QWEN_TEXT_LEN[0]} / {DEMO_QWEN_TEXT_LEN[1]} text tokens (cond / uncond, random prompt "
+                "embeddings: no text encoder)" if "negative_prompt_embeds" in kw else
+                f"{DEMO_QWEN_TEXT_LEN[0]} text tokens (random prompt embeddings: no text encoder)")
+        return (f"  model: random weights; transformer {cfg.num_layers} layers x {cfg.num_attention_heads} heads x "
+                f"{cfg.attention_head_dim}, {h} x {w} = {h * w:,} image tokens + {text}; VAE "
+                f"{pipe.vae.config.base_dim} channels wide")
     p_t, p_h, p_w = cfg.patch_size
     grid = ((kw["num_frames"] - 1) // 4 + 1) // p_t, kw["height"] // 8 // p_h, kw["width"] // 8 // p_w
     return (f"  model: random weights; transformer {cfg.num_layers} layers x {cfg.num_attention_heads} heads x "
@@ -390,6 +628,27 @@ def video_psnr(frames, ref) -> tuple[float, float, float]:
 
 def _transformers(pipe) -> list:
     return [m for m in (getattr(pipe, "transformer", None), getattr(pipe, "transformer_2", None)) if m is not None]
+
+
+def _block_work_counter(counter, models):
+    """``counter(models, blocks, ffn, attn)`` with the block list and the feed-forward / self-attention child
+    names these transformers have (Wan: blocks / ffn / attn1; Qwen-Image, Flux: transformer_blocks / img_mlp or
+    ff / attn), or None when they have none of those."""
+    import torch
+
+    names = None
+    for m in models:
+        blocks_attr = next((a for a in ("blocks", "transformer_blocks")
+                            if isinstance(getattr(m, a, None), torch.nn.ModuleList)), None)
+        if blocks_attr is None or not len(getattr(m, blocks_attr)):
+            return None
+        last = getattr(m, blocks_attr)[-1]
+        ffn = next((a for a in ("ffn", "ff", "img_mlp") if hasattr(last, a)), None)
+        attn = next((a for a in ("attn1", "attn") if hasattr(last, a)), None)
+        if ffn is None or attn is None or names not in (None, (blocks_attr, ffn, attn)):
+            return None
+        names = (blocks_attr, ffn, attn)
+    return counter(models, *names) if names is not None else None
 
 
 def applied_summary(pipe, config, work=None, device=None, dtype=None) -> list[str]:
@@ -457,9 +716,29 @@ def applied_summary(pipe, config, work=None, device=None, dtype=None) -> list[st
     return lines
 
 
+def _run_kind(family_name: str, class_name: str, args) -> str:
+    """t2v / i2v for video pipelines, t2i / i2i for image pipelines."""
+    if args.model is None:
+        return _tiny_kind(family_name, args)
+    params = _pipeline_parameters(class_name)
+    video = params is None or "num_frames" in params
+    return ("i2v" if video else "i2i") if args.image else ("t2v" if video else "t2i")
+
+
 def generate(args, argv: list[str]) -> int:
+    from lite_boost.config import ConfigError
+
     _validate_generate(args)
-    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+    family, class_name = resolve_family(args)  # from model_index.json: no weights loaded
+    try:
+        config = _boost_config(args)
+    except ConfigError as exc:
+        raise SystemExit(f"lite-boost generate: {exc}") from None
+    launching = args.nproc > 1 and "LOCAL_RANK" not in os.environ
+    # unsupported combinations stop here, before torchrun starts anything
+    check_family_options(family, class_name, args, config,
+                         args.nproc if launching else int(os.environ.get("WORLD_SIZE", "1")))
+    if launching:
         cmd = _torchrun_command(args, argv)  # torchrun = python -m torch.distributed.run
         print("launching:", " ".join(cmd), flush=True)
         return subprocess.call(cmd)
@@ -475,7 +754,6 @@ def generate(args, argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    config = _boost_config(args)
     if args.device:
         device = torch.device(args.device)
     elif torch.cuda.is_available():
@@ -493,16 +771,20 @@ def generate(args, argv: list[str]) -> int:
                              f"methods that can run on {device.type}: {usable_methods(device)}")
     dtype_name = _DTYPES[args.dtype] if args.dtype else ("float32" if device.type == "cpu" else "bfloat16")
     dtype = getattr(torch, dtype_name)
-    kind = "i2v" if args.image else "t2v"
-    pipe = _load_pipeline(args, kind, device, dtype)
+    kind = _run_kind(family.name, class_name, args)
+    image_out = kind in ("t2i", "i2i")
+    pipe = _load_pipeline(args, kind, device, dtype, family.name)
     pipe.set_progress_bar_config(disable=rank != 0)
-    kw = _call_kwargs(args, kind, tiny=args.model is None)
+    kw = _call_kwargs(args, kind, tiny=args.model is None, family_name=family.name, pipe=pipe)
     say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"lite-boost generate: {kind}, {'tiny built-in Wan' if args.model is None else args.model}, "
-        f"{kw['height']}x{kw['width']}, {kw['num_frames']} frames, {kw['num_inference_steps']} steps, "
-        f"{device}, {dtype_name}, {world} process(es)")
+    source = (f"tiny built-in {class_name} (the {family.name} family)" if args.model is None
+              else f"{args.model} ({class_name}, the {family.name} family)")
+    size = f"{kw.get('height', 'default')}x{kw.get('width', 'default')}"
+    frames_txt = f", {kw['num_frames']} frames" if "num_frames" in kw else ""
+    say(f"lite-boost generate: {kind}, {source}, {size}{frames_txt}, {kw.get('num_inference_steps', 'default')} "
+        f"steps, {device}, {dtype_name}, {world} process(es)")
     if args.model is None:
-        say(_demo_model_line(pipe, kw))
+        say(_demo_model_line(pipe, kw, family.name))
 
     rows = {}
     stock_frames = None
@@ -520,25 +802,30 @@ def generate(args, argv: list[str]) -> int:
     say("boosted run ...")
     from lite_boost.cache import count_block_work
 
-    work = count_block_work(_transformers(pipe))  # transformer work really done in the timed boosted run
+    work = _block_work_counter(count_block_work, _transformers(pipe))  # work really done in the timed boosted run
     frames, rows["boosted"] = _run(pipe, kw, device.type, args.warmup, counter=work)
     if rank != 0:
         return 0
-    path = args.output or f"outputs/lite_boost_{kind}.mp4"
-    written, fmt = write_video(frames, path, fps=args.fps)
+    if image_out:
+        written, fmt = write_image(frames, args.output or f"outputs/lite_boost_{kind}.png")
+    else:
+        written, fmt = write_video(frames, args.output or f"outputs/lite_boost_{kind}.mp4", fps=args.fps)
     print(f"\nwrote {written} [{fmt}]")
     print()
     # phases the boost leaves alone: their "speed-up" would only be run-to-run noise
-    vae_parallel = world > 1 and getattr(config.parallel, "vae_parallel", "off") not in ("off", False)
+    from lite_boost.parallel.vae import parallel_vae_state
+
+    vae_parallel = world > 1 and parallel_vae_state(getattr(pipe, "vae", None)) is not None  # what really ran parallel
     untouched = ("text encode",) + (() if vae_parallel else ("VAE decode",))
     print(format_timing_table(rows, untouched=untouched))
     if stock_frames is not None:
         psnr, peak, diff = video_psnr(frames, stock_frames)
-        print(f"\nmax |boosted - stock| over the video (values in [0, 1]): {diff:.2e}"
+        what = "image" if image_out else "video"
+        print(f"\nmax |boosted - stock| over the {what} (values in [0, 1]): {diff:.2e}"
               + (" (step caching, sparsity and quantization approximate by design)"
                  if config.cache or config.sparse or config.quant else ""))
-        print(f"video PSNR boosted vs stock: {'inf' if psnr == float('inf') else f'{psnr:.1f}'} dB "
-              f"(peak = the stock video's value range, {peak:.3f})")
+        print(f"{what} PSNR boosted vs stock: {'inf' if psnr == float('inf') else f'{psnr:.1f}'} dB "
+              f"(peak = the stock {what}'s value range, {peak:.3f})")
     print("\napplied:")
     for line in applied_summary(pipe, config, work, device, dtype):
         print(f"- {line}")

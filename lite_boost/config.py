@@ -23,6 +23,7 @@ __all__ = [
     "CacheConfig",
     "QuantConfig",
     "QUANT_METHODS",
+    "parallel_from_boost_manager",
     "ATTENTION_BACKEND_NAMES",
     "SPARSE_BACKEND_NAMES",
 ]
@@ -209,6 +210,8 @@ class ParallelConfig(_ConfigMixin):
     vae_gather: "all" (the decoded video on every rank) or "rank0" (only rank 0 gets it, the others
         an empty 0-frame tensor; saves memory) in "chunked" mode; "exact" mode assembles every frame
         on every rank (its per-frame loop needs the whole frame), so it accepts only "all".
+    world_size: the world size this config was written for (MindSpore Lite's ``Parallel.world_size``);
+        None = any. A launch with another world size fails in ``resolve_mesh``, before any collective.
     """
 
     sequence_degree: int | None = None
@@ -222,6 +225,7 @@ class ParallelConfig(_ConfigMixin):
     vae_chunk_size: int | None = None
     vae_overlap: int | None = None
     vae_gather: str = "all"
+    world_size: int | None = None
 
     def __post_init__(self):
         _check_int("sequence_degree", self.sequence_degree, lo=1, allow_none=True)
@@ -238,6 +242,7 @@ class ParallelConfig(_ConfigMixin):
         _check_int("vae_chunk_size", self.vae_chunk_size, lo=1, allow_none=True)
         _check_int("vae_overlap", self.vae_overlap, lo=1, allow_none=True)
         _check_choice("vae_gather", self.vae_gather, ("all", "rank0"))
+        _check_int("world_size", self.world_size, lo=1, allow_none=True)
         if self.vae_parallel != "chunked":
             mode = f"{self.vae_parallel!r}" if self.vae_parallel else "None (exact when world_size > 1)"
             for name in ("vae_chunk_size", "vae_overlap"):
@@ -260,6 +265,7 @@ class ParallelConfig(_ConfigMixin):
         for this world size and cfg_degree (and sequence_degree, when given).
         """
         _check_int("world_size", world_size, lo=1)
+        self.check_world_size(world_size)
         if world_size % self.cfg_degree:
             raise ConfigError(
                 f"cfg_degree={self.cfg_degree} does not divide world_size={world_size}; "
@@ -293,6 +299,15 @@ class ParallelConfig(_ConfigMixin):
             raise self._pairs_error(world_size, f"{given} does not fit sequence_degree={seq} "
                                                 f"(world_size={world_size} / cfg_degree={self.cfg_degree})")
         return self.cfg_degree, u, r
+
+    def check_world_size(self, world_size: int) -> None:
+        """ConfigError when the config names a ``world_size`` other than the launched one."""
+        if self.world_size is not None and self.world_size != world_size:
+            raise ConfigError(
+                f"world_size={self.world_size} (the config's Parallel.world_size / parallel.world_size) does not match "
+                f"the launched world size {world_size}; launch {self.world_size} processes (torchrun "
+                f"--nproc_per_node {self.world_size}) or set world_size to {world_size}"
+            )
 
     def _pairs_error(self, world_size: int, what: str) -> ConfigError:
         seq = self.sequence_degree if self.sequence_degree is not None else world_size // self.cfg_degree
@@ -439,6 +454,18 @@ class BoostConfig(_ConfigMixin):
                               f"got {type(self.quant).__name__}")
 
     @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None):
+        """Our keys, or MindSpore Lite's BoostManager schema: a ``Parallel`` section (see
+        :func:`parallel_from_boost_manager`) in place of ``parallel``, beside any of our other keys."""
+        if isinstance(data, Mapping) and "Parallel" in data:
+            if "parallel" in data:
+                raise ConfigError("give either 'Parallel' (the MindSpore Lite BoostManager schema) or 'parallel' "
+                                  "(lite_boost's), not both")
+            data = dict(data)
+            data["parallel"] = parallel_from_boost_manager(data.pop("Parallel"))
+        return super().from_dict(data)
+
+    @classmethod
     def coerce(cls, config: "BoostConfig | SparseConfig | ParallelConfig | Mapping | None") -> "BoostConfig":
         """Accept a BoostConfig, a sub-config, a mapping or None and return a BoostConfig."""
         if config is None:
@@ -459,6 +486,103 @@ class BoostConfig(_ConfigMixin):
             "config must be a BoostConfig, SparseConfig, ParallelConfig, CacheConfig, QuantConfig, a mapping or None, "
             f"got {type(config).__name__}"
         )
+
+
+# ------------------------------------------------------------------ MindSpore Lite BoostManager schema
+# Parallel:                     lite_boost ParallelConfig
+#   world_size: N               world_size (checked against the launched world size)
+#   dit:
+#     alg: CP                   context (sequence) parallel over every rank: Ulysses x Ring
+#     world_size: N             world_size
+#     ulysses_degree / ring_degree / cfg_degree / sequence_degree / rotate_method   (lite_boost extensions)
+#   vae:
+#     alg: DP                   vae_parallel: the VAE decode / encode split over the ranks ("NONE": every
+#                               rank runs the whole VAE, vae_parallel="off")
+#     world_size: N             world_size
+#     mode: exact | chunked     vae_parallel mode (default exact; chunked = the reference's temporal tiles)
+#     overlap / chunk_size / gather   vae_overlap / vae_chunk_size / vae_gather ("chunked" mode)
+BOOST_MANAGER_DIT_ALGS = ("CP",)
+BOOST_MANAGER_VAE_ALGS = ("DP", "NONE")
+_BM_SECTIONS = ("dit", "vae", "world_size")
+_BM_DIT = {"alg": None, "world_size": None, "ulysses_degree": "ulysses_degree", "ring_degree": "ring_degree",
+           "cfg_degree": "cfg_degree", "sequence_degree": "sequence_degree", "rotate_method": "rotate_method"}
+_BM_VAE = {"alg": None, "world_size": None, "mode": None, "overlap": "vae_overlap", "chunk_size": "vae_chunk_size",
+           "gather": "vae_gather"}
+
+
+def _bm_section(name: str, value: Any, keys) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{name} must be a mapping with keys {sorted(keys)}, got {value!r}")
+    unknown = sorted(map(str, set(value) - set(keys)))
+    if unknown:
+        raise ConfigError(f"unknown {name} key(s) {unknown}; accepted keys are {sorted(keys)}")
+    return dict(value)
+
+
+def _bm_alg(name: str, value: Any, allowed) -> str:
+    alg = value.upper() if isinstance(value, str) else value
+    if alg not in allowed:
+        raise ConfigError(f"{name} must be one of {list(allowed)}, got {value!r}")
+    return alg
+
+
+def parallel_from_boost_manager(section: Any) -> dict[str, Any]:
+    """Map MindSpore Lite's ``Parallel`` section (``dit.alg: CP``, ``vae.alg: DP``, ``world_size``) onto
+    :class:`ParallelConfig` keys. Raises ConfigError naming the key (``Parallel.dit.alg``) and the allowed values.
+    """
+    top = _bm_section("Parallel", section, _BM_SECTIONS)
+    dit = _bm_section("Parallel.dit", top.get("dit"), _BM_DIT)
+    vae = _bm_section("Parallel.vae", top.get("vae"), _BM_VAE)
+    out: dict[str, Any] = {}
+    sizes = {}
+    for name, sec in (("Parallel", top), ("Parallel.dit", dit), ("Parallel.vae", vae)):
+        if sec.get("world_size") is not None:
+            _check_int(f"{name}.world_size", sec["world_size"], lo=1)
+            sizes[f"{name}.world_size"] = sec["world_size"]
+    if len(set(sizes.values())) > 1:
+        raise ConfigError(f"{' / '.join(sizes)} disagree ({sizes}); lite_boost runs the DiT and the VAE over the same "
+                          "ranks: give one world size")
+    if sizes:
+        out["world_size"] = next(iter(sizes.values()))
+    if "alg" in dit:
+        _bm_alg("Parallel.dit.alg", dit["alg"], BOOST_MANAGER_DIT_ALGS)
+    for key in ("ulysses_degree", "ring_degree", "sequence_degree"):
+        if key in dit:
+            _check_int(f"Parallel.dit.{key}", dit[key], lo=1, allow_none=True)
+            out[key] = dit[key]
+    if "cfg_degree" in dit:
+        _check_choice("Parallel.dit.cfg_degree", dit["cfg_degree"], (1, 2))
+        out["cfg_degree"] = dit["cfg_degree"]
+    if "rotate_method" in dit:
+        _check_choice("Parallel.dit.rotate_method", dit["rotate_method"], ROTATE_METHODS)
+        out["rotate_method"] = dit["rotate_method"]
+    alg = _bm_alg("Parallel.vae.alg", vae["alg"], BOOST_MANAGER_VAE_ALGS) if "alg" in vae else None
+    mode = vae.get("mode")
+    if mode is not None:
+        _check_choice("Parallel.vae.mode", mode, ("exact", "chunked"))
+        if alg == "NONE":
+            raise ConfigError(f"Parallel.vae.mode={mode!r} needs Parallel.vae.alg: DP (alg NONE runs the whole VAE on "
+                              "every rank)")
+    if alg == "NONE":
+        out["vae_parallel"] = "off"
+    elif alg == "DP" or mode is not None:
+        out["vae_parallel"] = mode or "exact"
+    for key, ours in (("overlap", "vae_overlap"), ("chunk_size", "vae_chunk_size")):
+        if key in vae:
+            _check_int(f"Parallel.vae.{key}", vae[key], lo=1, allow_none=True)
+            if vae[key] is not None and out.get("vae_parallel") != "chunked":
+                raise ConfigError(f"Parallel.vae.{key} applies to Parallel.vae.mode: chunked only; valid "
+                                  f"Parallel.vae.mode values with {key}: ['chunked']")
+            out[ours] = vae[key]
+    if "gather" in vae:
+        _check_choice("Parallel.vae.gather", vae["gather"], ("all", "rank0"))
+        if vae["gather"] != "all" and out.get("vae_parallel") != "chunked":
+            raise ConfigError("Parallel.vae.gather='rank0' applies to Parallel.vae.mode: chunked only; valid "
+                              "Parallel.vae.gather here: ['all']")
+        out["vae_gather"] = vae["gather"]
+    return out
 
 
 _NESTED = {("BoostConfig", "sparse"): SparseConfig, ("BoostConfig", "parallel"): ParallelConfig,

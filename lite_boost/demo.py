@@ -17,7 +17,8 @@ import torch
 
 __all__ = ["TinyWanSpec", "tiny_wan_transformer", "tiny_wan_pipeline", "DEMO_PROMPT", "DEMO_NEGATIVE_PROMPT",
            "DEMO_SPEC", "DEMO_SHAPE", "DEMO_STEPS", "DEMO_SPARSITY", "DEMO_VAE_BASE_DIM", "TinyQwenImageSpec",
-           "tiny_qwen_image_transformer", "tiny_qwen_image_pipeline", "qwen_prompt_embeds"]
+           "tiny_qwen_image_transformer", "tiny_qwen_image_pipeline", "qwen_prompt_embeds", "TINY_FAMILIES",
+           "DEMO_QWEN_SPEC", "DEMO_QWEN_SHAPE", "DEMO_QWEN_STEPS", "DEMO_QWEN_TEXT_LEN", "qwen_demo_prompt_kwargs"]
 
 DEMO_PROMPT = "a red fox runs through fresh snow at dawn"
 DEMO_NEGATIVE_PROMPT = "blurry low quality static"
@@ -225,3 +226,27 @@ def qwen_prompt_embeds(length: int, *, batch: int = 1, dim: int = 16, seed: int 
         for b, n in enumerate(valid):
             mask[b, n:] = 0
     return embeds, mask
+
+
+# --------------------------------------------------------------------------------------------- built-in models
+# Families with a built-in tiny model: `lite-boost generate --family NAME` runs them offline.
+TINY_FAMILIES = ("wan", "qwen-image")
+
+# The Qwen-Image job (`lite-boost generate --family qwen-image`): the tiny transformer of the tests at
+# 256 x 256 pixels = 32 x 32 = 1,024 image tokens, with cond / uncond prompts of different lengths (as
+# Qwen-Image's are), true CFG on. Dense attention by default (--sparsity for the block-sparse path).
+DEMO_QWEN_SPEC = TinyQwenImageSpec()
+DEMO_QWEN_SHAPE = (256, 256)  # height, width
+DEMO_QWEN_STEPS = 10
+DEMO_QWEN_TEXT_LEN = (12, 7)  # prompt / negative prompt tokens
+
+
+def qwen_demo_prompt_kwargs(dim: int = DEMO_QWEN_SPEC.text_dim, *, cfg: bool = True, seed: int = 0) -> dict:
+    """``prompt_embeds`` (+ ``negative_prompt_embeds`` with ``cfg``) and their masks for a Qwen-Image pipeline
+    without a text encoder (random, of width ``dim`` = the transformer's ``joint_attention_dim``)."""
+    embeds, mask = qwen_prompt_embeds(DEMO_QWEN_TEXT_LEN[0], dim=dim, seed=seed)
+    kw = {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+    if cfg:
+        neg, neg_mask = qwen_prompt_embeds(DEMO_QWEN_TEXT_LEN[1], dim=dim, seed=seed + 1)
+        kw.update(negative_prompt_embeds=neg, negative_prompt_embeds_mask=neg_mask)
+    return kw

@@ -94,3 +94,229 @@ def test_nproc_relaunches_under_torchrun_without_the_flag():
     cmd = _torchrun_command(build_parser().parse_args(argv), argv)
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3"]
     assert cmd[5:] == ["-m", "lite_boost.cli", "generate", "--steps", "1", "--cfg-degree", "1"]
+
+
+# ------------------------------------------------------------------------------------------ families
+def _index(tmp_path, class_name, name="m"):
+    import json
+
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": class_name, "_diffusers_version": "0.42.1"}))
+    return folder
+
+
+def test_generate_qwen_image_tiny_writes_png_and_compares(tmp_path, capsys):
+    from PIL import Image
+
+    assert main(["generate", "--family", "qwen-image", "--steps", "2", "--height", "64", "--width", "48",
+                 "--warmup", "0", "--output", str(tmp_path / "img.png")]) == 0
+    out = capsys.readouterr().out
+    written = re.search(r"wrote (\S+) \[PNG", out).group(1)
+    with Image.open(written) as im:
+        assert im.size == (48, 64) and im.format == "PNG"
+    assert "t2i, tiny built-in QwenImagePipeline (the qwen-image family), 64x48, 2 steps" in out
+    assert "8 x 6 = 48 image tokens + 12 / 7 text tokens (cond / uncond" in out
+    for row in ("denoise per step", "VAE decode", "| total |"):
+        assert row in out
+    diff = float(re.search(r"max \|boosted - stock\| over the image \(values in \[0, 1\]\): (\S+)", out).group(1))
+    assert diff <= 1e-5
+    assert float(re.search(r"image PSNR boosted vs stock: (\S+) dB", out).group(1)) > 100
+    assert "- self-attention: dense" in out and "- RoPE tables: cached" in out
+
+
+def test_tiny_qwen_image_defaults():
+    from lite_boost.cli import _boost_config, _call_kwargs, build_parser
+    from lite_boost.demo import DEMO_QWEN_SHAPE, DEMO_QWEN_STEPS, tiny_qwen_image_pipeline
+
+    args = build_parser().parse_args(["generate", "--family", "qwen-image"])
+    assert _boost_config(args).sparse is None  # image family: dense by default
+    kw = _call_kwargs(args, "t2i", tiny=True, family_name="qwen-image", pipe=tiny_qwen_image_pipeline())
+    assert (kw["height"], kw["width"], kw["num_inference_steps"]) == (*DEMO_QWEN_SHAPE, DEMO_QWEN_STEPS)
+    assert kw["true_cfg_scale"] == 5.0 and "guidance_scale" not in kw and "num_frames" not in kw
+    assert kw["prompt_embeds"].shape[1] != kw["negative_prompt_embeds"].shape[1]  # cond / uncond lengths differ
+    no_cfg = _call_kwargs(build_parser().parse_args(["generate", "--guidance-scale", "1"]), "t2i", tiny=True,
+                          family_name="qwen-image", pipe=tiny_qwen_image_pipeline())
+    assert "negative_prompt_embeds" not in no_cfg
+
+
+def test_model_runs_take_the_pipelines_own_defaults():
+    from lite_boost.cli import _call_kwargs, build_parser
+    from lite_boost.demo import tiny_wan_pipeline
+
+    pipe = tiny_wan_pipeline("t2v")
+    kw = _call_kwargs(build_parser().parse_args(["generate", "--model", "/m"]), "t2v", tiny=False, pipe=pipe)
+    assert not {"height", "width", "num_frames", "num_inference_steps", "guidance_scale"} & set(kw)
+    kw = _call_kwargs(build_parser().parse_args(["generate", "--model", "/m", "--height", "32", "--num-frames", "9",
+                                                 "--guidance-scale", "3"]), "t2v", tiny=False, pipe=pipe)
+    assert (kw["height"], kw["num_frames"], kw["guidance_scale"]) == (32, 9, 3.0) and "width" not in kw
+    tiny = _call_kwargs(build_parser().parse_args(["generate"]), "t2v", tiny=True, pipe=pipe)
+    assert (tiny["height"], tiny["width"], tiny["num_frames"], tiny["guidance_scale"]) == (192, 256, 25, 5.0)
+
+
+def test_family_flag_takes_registered_families_and_runs_only_tiny_ones():
+    from lite_boost.registry import families
+
+    names = [f.name for f in families()]
+    assert {"wan", "qwen-image", "flux"} <= set(names)
+    with pytest.raises(SystemExit, match=r"--family must be one of \['wan', 'qwen-image', 'flux'.*got 'sdxl'"):
+        main(["generate", "--family", "sdxl"])
+    with pytest.raises(SystemExit, match=r"--family flux has no built-in tiny model: pass --model PATH .* "
+                                         r"a family with one: \['wan', 'qwen-image'\]"):
+        main(["generate", "--family", "flux"])
+
+
+def test_detect_family_from_model_index_for_every_registered_pipeline(tmp_path):
+    from lite_boost.cli import detect_family
+    from lite_boost.registry import families
+
+    for fam in families():
+        for i, name in enumerate(fam.pipelines):
+            found, cls = detect_family(_index(tmp_path, name, f"{fam.name}{i}"))
+            assert (found.name, cls) == (fam.name, name)
+    expected = {"WanPipeline": "wan", "QwenImagePipeline": "qwen-image", "FluxPipeline": "flux"}
+    for name, fam in expected.items():
+        assert detect_family(_index(tmp_path, name, "x" + name))[0].name == fam
+
+
+def test_detect_family_finds_a_subclass_through_diffusers(tmp_path, monkeypatch):
+    import diffusers
+
+    from lite_boost.cli import detect_family
+
+    monkeypatch.setattr(diffusers, "MyWanPipeline", type("MyWanPipeline", (diffusers.WanPipeline,), {}), raising=False)
+    assert detect_family(_index(tmp_path, "MyWanPipeline"))[0].name == "wan"
+
+
+@pytest.mark.parametrize("content, fragment", [
+    ('{"_class_name": "StableDiffusionPipeline"}',
+     r"holds a StableDiffusionPipeline, which lite_boost does not support; supported pipeline classes: "
+     r"\[.*'WanPipeline'.*'QwenImagePipeline'.*'FluxPipeline'"),
+    ('{"_diffusers_version": "0.42.1"}', r"names no pipeline class \(_class_name\)"),
+    ("{not json", "cannot read"),
+])
+def test_model_of_an_unknown_or_broken_index_is_refused(tmp_path, content, fragment):
+    (tmp_path / "model_index.json").write_text(content)
+    with pytest.raises(SystemExit, match=fragment):
+        main(["generate", "--model", str(tmp_path)])
+
+
+def test_family_flag_must_match_the_model(tmp_path):
+    folder = _index(tmp_path, "WanPipeline")
+    with pytest.raises(SystemExit, match=r"--family qwen-image does not match --model .*, a WanPipeline \(the wan "
+                                         r"family\); drop --family or pass --family wan"):
+        main(["generate", "--model", str(folder), "--family", "qwen-image"])
+
+
+@pytest.fixture(scope="module")
+def saved_tiny_pipelines(tmp_path_factory):
+    from lite_boost.demo import TinyWanSpec, tiny_qwen_image_pipeline, tiny_wan_pipeline
+
+    root = tmp_path_factory.mktemp("models")
+    tiny_wan_pipeline("t2v", spec=TinyWanSpec(heads=3)).save_pretrained(root / "wan")
+    tiny_qwen_image_pipeline().save_pretrained(root / "qwen")  # no text encoder / tokenizer: saved as None
+    return root
+
+
+@pytest.mark.parametrize("which, flags, kind, what", [
+    ("wan", ["--num-frames", "5"], "t2v", "video"),
+    ("qwen", [], "t2i", "image"),
+])
+def test_generate_model_detects_the_family_and_matches_stock(saved_tiny_pipelines, tmp_path, capsys, which, flags,
+                                                             kind, what):
+    folder = saved_tiny_pipelines / which
+    assert main(["generate", "--model", str(folder), "--height", "32", "--width", "48", "--steps", "2",
+                 "--warmup", "0", "--sparsity", "0", *flags, "--output", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    cls, fam = {"wan": ("WanPipeline", "wan"), "qwen": ("QwenImagePipeline", "qwen-image")}[which]
+    assert f"lite-boost generate: {kind}, {folder} ({cls}, the {fam} family), 32x48" in out
+    assert re.search(r"wrote \S+\.(mp4|gif|npy|png) \[", out)
+    diff = float(re.search(rf"max \|boosted - stock\| over the {what} \(values in \[0, 1\]\): (\S+)", out).group(1))
+    assert diff <= 1e-5
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    import subprocess
+
+    def refuse(*a, **k):
+        raise AssertionError("torchrun was launched")
+
+    monkeypatch.setattr(subprocess, "call", refuse)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--family", "qwen-image", "--nproc", "2", "--vae-parallel", "exact"],
+     r"--vae-parallel exact is not supported for the qwen-image family \(AutoencoderKLQwenImage has no parallel-VAE "
+     r"adapter yet.*\); families with parallel_vae: \['wan'"),
+    (["--family", "qwen-image", "--cache", "pyramid_attention_broadcast"],
+     r"--cache pyramid_attention_broadcast is not available for the qwen-image family; its step caches: "
+     r"\['first_block_cache', 'mag_cache', 'taylorseer_cache'\]"),
+    (["--family", "qwen-image", "--nproc", "2", "--num-frames", "5"],
+     r"--num-frames is for video pipelines; QwenImagePipeline \(the qwen-image family\) makes images"),
+    (["--family", "qwen-image", "--nproc", "3", "--cfg-degree", "2"], r"cfg_degree=2 does not divide world_size=3"),
+])
+def test_unsupported_combinations_stop_before_torchrun(no_launch, flags, fragment):
+    with pytest.raises(SystemExit, match=fragment):
+        main(["generate", *flags])
+
+
+def test_image_on_a_tiny_model_without_image_input(no_launch, tmp_path):
+    from PIL import Image
+
+    Image.fromarray(np.zeros((8, 8, 3), dtype="uint8")).save(tmp_path / "in.png")
+    with pytest.raises(SystemExit, match=r"--image is not supported by the built-in tiny qwen-image model; built-in "
+                                         r"image-conditioned models: \['wan'\]"):
+        main(["generate", "--family", "qwen-image", "--image", str(tmp_path / "in.png")])
+
+
+def test_features_a_family_lacks_are_named_by_option(tmp_path):
+    import dataclasses
+
+    from lite_boost.cli import _boost_config, build_parser, check_family_options
+    from lite_boost.registry import families
+
+    qwen = next(f for f in families() if f.name == "qwen-image")
+    bare = dataclasses.replace(qwen, name="bare", unsupported={
+        "sparse": "no latent token grid declared", "cfg_parallel": "its pipelines run no CFG to split",
+        "sequence_parallel": "no sharding plan", "quant": "no default quantization patterns",
+        "step_cache": "no cache adapter"})
+
+    def check(*flags, world=1):
+        args = build_parser().parse_args(["generate", "--family", "qwen-image", *flags])
+        check_family_options(bare, "QwenImagePipeline", args, _boost_config(args), world)
+
+    check("--sparsity", "0")  # dense: fine
+    cases = [
+        ((["--sparsity", "0.5"], 1), r"--sparsity 0.5 is not supported for the bare family \(no latent token grid "
+                                     r"declared\); families with sparse: \['wan', 'qwen-image'"),
+        ((["--nproc", "2", "--cfg-degree", "2"], 2), r"--cfg-degree 2 is not supported for the bare family \(its "
+                                                     r"pipelines run no CFG to split\); families with cfg_parallel"),
+        ((["--nproc", "2"], 2), r"--nproc 2 \(sequence degree 2\) is not supported for the bare family \(no "
+                                r"sharding plan\)"),
+        ((["--quant", "int8_dynamic"], 1), r"--quant int8_dynamic is not supported for the bare family"),
+        ((["--cache", "first_block_cache"], 1), r"--cache first_block_cache is not supported for the bare family"),
+    ]
+    for (flags, world), fragment in cases:
+        with pytest.raises(SystemExit, match=fragment):
+            check(*flags, world=world)
+    yaml_path = tmp_path / "c.yaml"
+    yaml_path.write_text("sparse:\n  sparsity: 0.3\n")
+    with pytest.raises(SystemExit, match=r"sparse \(from --config .*c\.yaml\) is not supported for the bare family"):
+        check("--config", str(yaml_path))
+    # the real qwen-image family has all of these
+    for (flags, world), _ in cases:
+        args = build_parser().parse_args(["generate", "--family", "qwen-image", *flags])
+        check_family_options(qwen, "QwenImagePipeline", args, _boost_config(args), world)
+
+
+def test_boost_manager_yaml_as_config_is_checked_before_torchrun(no_launch, tmp_path):
+    path = tmp_path / "boost.yaml"
+    path.write_text("Parallel:\n  dit:\n    alg: CP\n    world_size: 4\n  vae:\n    alg: DP\n")
+    with pytest.raises(SystemExit, match=r"world_size=4 .* does not match the launched world size 2"):
+        main(["generate", "--config", str(path), "--nproc", "2"])
+    path.write_text("Parallel:\n  dit:\n    alg: TP\n")
+    with pytest.raises(SystemExit, match=r"Parallel\.dit\.alg must be one of \['CP'\], got 'TP'"):
+        main(["generate", "--config", str(path)])

@@ -320,24 +320,29 @@ def _flat(out) -> torch.Tensor:
     return torch.cat([o.flatten(1) for o in out], dim=1) if isinstance(out, tuple) else out
 
 
-def _max_diff(fns, reference="stock"):
-    with torch.no_grad():
-        ref = _flat(fns[reference]())
-        return {k: (_flat(fn()) - ref).abs().max().item() for k, fn in fns.items() if k != reference}
+def _max_diff(outputs, reference="stock"):
+    ref = _flat(outputs[reference])
+    return {k: (_flat(out) - ref).abs().max().item() for k, out in outputs.items() if k != reference}
 
 
 def run(case: Case, args) -> tuple[str, dict]:
     load_before = os.getloadavg()
-    diffs = _max_diff(case.block)
     times = {part: {k: [] for k in fns} for part, fns in (("attention", case.attention), ("block", case.block),
                                                          ("rope", case.rope))}
+    diffs = {}
     with torch.no_grad():
-        for rep in range(args.repeats + 1):  # repetition 0: warm-up, dropped
+        for rep in range(args.repeats + 1):  # repetition 0: warm-up, dropped (its block outputs give the diffs)
             for part, fns in (("rope", case.rope), ("attention", case.attention), ("block", case.block)):
+                outputs = {}
                 for name, fn in fns.items():
-                    t, _ = timed(fn)
+                    t, out = timed(fn)
                     if rep:
                         times[part][name].append(t)
+                    elif part == "block":
+                        outputs[name] = out
+                if outputs:
+                    diffs = _max_diff(outputs)
+                del outputs
             print(f"repetition {rep}: " + ", ".join(f"{p} {k} {v[-1]:.3f}s" for p, d in times.items()
                                                    for k, v in d.items() if v), flush=True)
     load_after = os.getloadavg()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .config import BoostConfig, ConfigError
-from .registry import family_of, lookup, names_where
+from .registry import families, family_of, lookup, names_where
 
 __all__ = ["boost", "unboost", "is_boosted", "ParallelManager"]
 
@@ -130,14 +130,24 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
         raise TypeError(f"mesh must be a ParallelMesh from initialize_usp, got {type(mesh).__name__}")
     fn = lookup(target)  # UnsupportedModelError (a TypeError) for unknown classes
     family = family_of(fn)
+    ring_degree = 1
     if mesh is not None:
-        cfg_degree, seq_degree = mesh.cfg_degree, mesh.sequence_degree
+        cfg_degree, seq_degree, ring_degree = mesh.cfg_degree, mesh.sequence_degree, mesh.ring_degree
     else:
         world = world_size_of(None)
         try:
             cfg_degree, seq_degree = config.parallel.resolve(world)
+            ring_degree = config.parallel.resolve_mesh(world)[2]
         except ConfigError:  # degrees that do not fit the world: init_mesh names the valid ones, after the checks
             cfg_degree, seq_degree = config.parallel.cfg_degree, max(1, world // config.parallel.cfg_degree)
+    sparse_on = config.sparse is not None and config.sparse.sparse_type is not None
+    if ring_degree > 1 and sparse_on and family is not None and family.joint != "cross":
+        raise ConfigError(
+            f"sparse attention with ring_degree={ring_degree} is not available for {family.name} (joint text + "
+            "image attention; block-sparse Ring covers self-attention families: "
+            f"{[f.name for f in families() if f.joint == 'cross' and f.features.get('sparse') is None]}). Use "
+            "ulysses_degree for the sequence ranks, or sparse without ring_degree"
+        )
     pplan, models, plans = _layout(target, fn, family, seq_degree)
     if family is not None:
         family.check_config(config)

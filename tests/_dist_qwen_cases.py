@@ -31,11 +31,17 @@ CASES = {
     "t2i_cfg2_h3": ("t2i", 3, (24, 40), 2, False, None, {}),
     "edit_cfg2_h3": ("edit", 3, (24, 40), 2, False, None, {}),  # the pipeline slices the deferred output
     "t2i_cfg2_no_guidance_h3": ("t2i", 3, (24, 40), 2, False, None, {"cfg": False}),  # nothing deferred
+    # Ring attention over all sequence ranks (ulysses_degree 1): the replicated text joins once
+    "t2i_ring_h3": ("t2i", 3, (24, 40), 1, False, None, {"ring": True}),
+    "edit2511_ring_h5": ("edit", 5, (24, 40), 1, True, None, {"ring": True}),
+    "t2i_cfg2_ring_h3": ("t2i", 3, (24, 40), 2, False, None, {"ring": True}),
 }
 
 
-def _config(cfg_degree, sparsity):
+def _config(cfg_degree, sparsity, ring=False):
     cfg = {"parallel": {"cfg_degree": cfg_degree, "timeout_s": 120}}
+    if ring:
+        cfg["parallel"]["ulysses_degree"] = 1
     if sparsity is not None:
         cfg["sparse"] = {"sparse_type": "rf_v2", "sparsity": sparsity, "block_size": 4, "backend": "gather"}
     return cfg
@@ -58,16 +64,18 @@ def run_cases(rank, world_size, init_method, names):
     meshes, out = {}, {}
     for name in names:
         kind, heads, (h, w), cfg_degree, zero_cond_t, sparsity, extra = CASES[name]
+        ring = extra.get("ring", False)
+        extra = {k: v for k, v in extra.items() if k != "ring"}
         spec = TinyQwenImageSpec(heads=heads, zero_cond_t=zero_cond_t)
-        config = _config(cfg_degree, sparsity)
+        config = _config(cfg_degree, sparsity, ring)
         call = lambda: qc.call_kwargs(kind, height=h, width=w, **extra)  # noqa: E731
         ref_pipe = tiny_qwen_image_pipeline(kind, spec=spec)
         if sparsity is not None:
             lite_boost.boost(ref_pipe, dict(config, parallel={"timeout_s": 120}))
         ref = ref_pipe(**call()).images
-        if cfg_degree not in meshes:
-            meshes[cfg_degree] = initialize_usp(config, init_method=init_method)
-        mesh = meshes[cfg_degree]
+        if (cfg_degree, ring) not in meshes:
+            meshes[cfg_degree, ring] = initialize_usp(config, init_method=init_method)
+        mesh = meshes[cfg_degree, ring]
         pipe = tiny_qwen_image_pipeline(kind, spec=spec)
         ParallelManager(pipe, config, mesh=mesh)
         if "diffusers_rope" in name:
@@ -91,6 +99,16 @@ def run_cases(rank, world_size, init_method, names):
             "sparse_paths": sorted({e.path for e in sparse.events}) if sparse is not None else None,
             "sparse_effective": sparse.mean_effective_sparsity() if sparse is not None else None,
             "sequence_degree": mesh.sequence_degree,
+            "ring_degree": mesh.ring_degree,
         }
         unparallelize(pipe)
+    # block-sparse Ring is for self-attention families: refused on every rank before any collective
+    from lite_boost.config import ConfigError
+
+    mesh = meshes.get((1, True)) or initialize_usp(_config(1, None, True), init_method=init_method)
+    try:
+        ParallelManager(tiny_qwen_image_pipeline("t2i"), _config(1, 0.75, True), mesh=mesh)
+        out["ring_sparse_refused"] = None
+    except ConfigError as e:
+        out["ring_sparse_refused"] = str(e)
     return out

@@ -41,7 +41,9 @@ def _check(world, name):
         assert {i for i, _ in r["seen"]} == {image}, r["seen"]
         assert {t for _, t in r["seen"]} <= texts and r["seen"], r["seen"]
         calls_per_rank = STEPS * (1 if cfg_degree > 1 or not extra.get("cfg", True) else 2)
-        if seq > 1:
+        if extra.get("ring"):
+            assert r["ring_degree"] == seq, r  # every sequence rank on the ring
+        elif seq > 1:
             c = r["calls"]
             # one packed exchange each way and one text gather per joint attention, one gather per call
             assert c["qkv_to_heads"] == c["heads_to_seq"] == c["joint_heads"] == LAYERS * c["gather"], c
@@ -66,3 +68,10 @@ def test_parity_2_ranks(name):
 @pytest.mark.parametrize("name", CASES_3)
 def test_parity_3_ranks(name):
     _check(3, name)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_block_sparse_ring_is_refused_for_joint_attention(world):
+    for res in _results(world):
+        msg = res["ring_sparse_refused"]
+        assert msg and "ring_degree" in msg and "qwen-image" in msg and "wan" in msg, msg

@@ -237,6 +237,24 @@ def pipeline_cases(mesh, init_method):
     return out
 
 
+def qwen_exact_cases(mesh):
+    """Qwen-Image's VAE (Wan 2.1's structure under its own classes) in exact mode vs sequential: an image
+    (one latent frame) and a short clip, decode and encode, uneven bands."""
+    from diffusers import AutoencoderKLQwenImage
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1).eval()
+    out = {}
+    with torch.no_grad():
+        for n, h, w in ((1, 5, 4), (1, 7, 3), (2, 4, 6)):
+            z, x = _inputs(n, h, w, seed=50 + n + h)
+            ref_d, ref_e = vae.decode(z).sample, vae.encode(x).latent_dist.mean
+            dec, enc, dc, ec, _ = _run(vae, mesh.world, z, x, mode="exact")
+            out[(n, h, w)] = dict(dec=_diff(dec, ref_d), enc=_diff(enc, ref_e), ref_abs=ref_d.abs().mean().item(),
+                                  halos=dc.get("vae_halo", 0), enc_halos=ec.get("vae_halo", 0))
+    return out
+
+
 def run_cases(rank, world, init_method, names):
     from lite_boost.parallel.groups import init_mesh
 

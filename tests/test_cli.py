@@ -248,9 +248,6 @@ def no_launch(monkeypatch):
 
 
 @pytest.mark.parametrize("flags, fragment", [
-    (["--family", "qwen-image", "--nproc", "2", "--vae-parallel", "exact"],
-     r"--vae-parallel exact is not supported for the qwen-image family \(AutoencoderKLQwenImage has no parallel-VAE "
-     r"adapter yet.*\); families with parallel_vae: \['wan'"),
     (["--family", "qwen-image", "--cache", "pyramid_attention_broadcast"],
      r"--cache pyramid_attention_broadcast is not available for the qwen-image family; its step caches: "
      r"\['first_block_cache', 'mag_cache', 'taylorseer_cache'\]"),

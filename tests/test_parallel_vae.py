@@ -179,8 +179,8 @@ def test_chunk_replay_single_process():
 
 # ------------------------------------------------------------------------------------------ multi-process
 _RESULTS = {}
-_NAMES = {2: ["bookkeeping", "chunked", "exact", "pipelines"] + (["seam"] if HAS_TRAINED else []),
-          3: ["bookkeeping", "chunked", "exact"]}
+_NAMES = {2: ["bookkeeping", "chunked", "exact", "qwen_exact", "pipelines"] + (["seam"] if HAS_TRAINED else []),
+          3: ["bookkeeping", "chunked", "exact", "qwen_exact"]}
 
 
 def _results(world):
@@ -244,6 +244,15 @@ def test_exact_matches_sequential(world):
                 assert r["pairs"] > 0 and r["halos"] == r["expect_halos"], r
                 assert r["enc_halos"] == r["expect_enc_halos"] and r["dec_gathers"] == 2 + 1, r
         assert res["exact"][("tiled", "exact")]["halos"] > 0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_qwen_image_vae_exact_matches_sequential(world):
+    """AutoencoderKLQwenImage through the Wan adapter's halo scheme: image and clip, decode and encode."""
+    for rank, res in enumerate(_results(world)):
+        for key, r in res["qwen_exact"].items():
+            assert r["ref_abs"] > 0.01 and r["dec"] <= TOL and r["enc"] <= TOL, (rank, key, r)
+            assert r["halos"] > 0 and r["enc_halos"] > 0, (rank, key, r)  # really split into bands
 
 
 @pytest.mark.skipif(not HAS_TRAINED, reason="tests/data/wan_vae_small not present")

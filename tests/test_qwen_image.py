@@ -266,8 +266,7 @@ def test_family_is_registered_with_its_features():
     assert family_of(tiny_qwen_image_pipeline("t2i")) is QWEN_IMAGE
     features = QWEN_IMAGE.features
     assert all(features[f] is None for f in ("dense", "sparse", "sequence_parallel", "cfg_parallel", "step_cache",
-                                             "compile", "quant"))
-    assert "no parallel-VAE adapter" in features["parallel_vae"]
+                                             "compile", "quant", "parallel_vae"))
     assert QWEN_IMAGE.quant_patterns == ("transformer_blocks.*",)
 
 
@@ -278,6 +277,6 @@ def test_lite_boost_models_lists_the_families_and_their_features(capsys):
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| qwen-image |"))
     assert "QwenImageEditPlusPipeline" in row and "| text_first | separate |" in row
-    assert row.count("| yes") == 7 and row.count("| no") == 1  # parallel_vae: no
+    assert row.count("| yes") == 8 and row.count("| no") == 0  # parallel_vae too (the Wan 2.1 VAE structure)
     assert "qwen-image: step caches first_block_cache, mag_cache, taylorseer_cache" in out
     assert "| wan |" in out

@@ -193,7 +193,6 @@ QWEN_IMAGE = register_family(ModelFamily(
     pipeline=QWEN_PIPELINE_PLAN,
     cache=QWEN_CACHE_ADAPTER,
     quant_patterns=("transformer_blocks.*",),
-    unsupported={"parallel_vae": "AutoencoderKLQwenImage has no parallel-VAE adapter yet; each rank decodes the image"},
     notes="text replicated on every rank (joint attention exchanges only the image tokens)",
 ))
 

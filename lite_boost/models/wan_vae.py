@@ -36,7 +36,7 @@ from torch import nn
 
 from ..parallel.vae import SpatialLayout, VAEAdapter, register_vae_adapter
 
-__all__ = ["WanVAEAdapter", "WAN_VAE_DEFAULT_OVERLAP", "WAN_VAE_DEFAULT_ENCODE_OVERLAP"]
+__all__ = ["WanVAEAdapter", "QwenImageVAEAdapter", "WAN_VAE_DEFAULT_OVERLAP", "WAN_VAE_DEFAULT_ENCODE_OVERLAP"]
 
 # Chosen from the seam study on the trained small Wan VAE (README, "Parallel VAE"): decode seams at
 # overlap 2 are >= 29 dB PSNR against the sequential decode (the VAE's own reconstruction error is far
@@ -71,11 +71,24 @@ class WanVAEAdapter(VAEAdapter):
         super().__init__(vae)
         cfg = vae.config
         self.t = 2 ** sum(bool(b) for b in vae.temperal_downsample)
-        self.patch = cfg.patch_size or 1
+        self.patch = getattr(cfg, "patch_size", None) or 1
         self.scale = 2 ** (len(cfg.dim_mult) - 1) * self.patch
         # the decoder's output is unpatchified: Wan2.2-TI2V-5B's VAE (patch 2) declares out_channels 12 = 3 x 2 x 2
-        self.out_channels = cfg.out_channels // self.patch ** 2
+        out_channels = getattr(cfg, "out_channels", None) or getattr(cfg, "input_channels", 3)
+        self.out_channels = out_channels // self.patch ** 2
         self.z_dim = cfg.z_dim
+
+    # the diffusers module holding the VAE's building blocks, and their class-name prefix
+    blocks_module = "autoencoder_kl_wan"
+    blocks_prefix = "Wan"
+
+    def _blocks(self):
+        """(attention block, causal conv, resample, residual block, AvgDown3D or ()) classes of this VAE."""
+        import importlib
+
+        mod = importlib.import_module(f"diffusers.models.autoencoders.{self.blocks_module}")
+        names = ("AttentionBlock", "CausalConv3d", "Resample", "ResidualBlock")
+        return tuple(getattr(mod, self.blocks_prefix + n) for n in names) + (getattr(mod, "AvgDown3D", ()),)
 
     # --- frame bookkeeping
     def num_units(self, inp, kind):
@@ -142,14 +155,12 @@ class WanVAEAdapter(VAEAdapter):
 
     # --- exact mode: which modules need halos
     def spatial_layout(self, kind):
-        from diffusers.models.autoencoders import autoencoder_kl_wan as akw
-        from diffusers.models.autoencoders.autoencoder_kl_wan import (WanAttentionBlock, WanCausalConv3d, WanResample,
-                                                                       WanResidualBlock)
-
-        avg_down = getattr(akw, "AvgDown3D", ())  # Wan2.2's residual shortcut (absent from older diffusers)
+        # avg_down: Wan2.2's residual shortcut (absent from older diffusers and from the Qwen-Image VAE)
+        WanAttentionBlock, WanCausalConv3d, WanResample, WanResidualBlock, avg_down = self._blocks()
+        causal_conv = WanCausalConv3d
 
         root = self.vae.decoder if kind == "decode" else self.vae.encoder
-        layout = SpatialLayout(root=root, unpad=_unpad_rows)
+        layout = SpatialLayout(root=root, unpad=lambda mod: _unpad_rows(mod, causal_conv))
         down = set()
         n_down = 0
         avg_factor = 1  # Wan2.2 residual encoder: product of the AvgDown3D shortcuts' spatial factors
@@ -203,11 +214,9 @@ def _zero_bias(norm) -> bool:
     return bias in (None, 0, 0.0)
 
 
-def _unpad_rows(mod):
+def _unpad_rows(mod, causal_conv):
     """Set a spatial convolution's row padding to 0 (the exact mode's halo rows replace it); returns the undo."""
-    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
-
-    if isinstance(mod, WanCausalConv3d):
+    if isinstance(mod, causal_conv):
         old = mod._padding  # (w, w, h, h, 2t, 0): F.pad order
         mod._padding = (old[0], old[1], 0, 0, old[4], old[5])
         return lambda: setattr(mod, "_padding", old)
@@ -216,3 +225,12 @@ def _unpad_rows(mod):
         mod.padding = (0, old[1])
         return lambda: setattr(mod, "padding", old)
     raise NotImplementedError(f"exact parallel VAE: cannot remove the row padding of {type(mod).__name__}")
+
+
+@register_vae_adapter("AutoencoderKLQwenImage")
+class QwenImageVAEAdapter(WanVAEAdapter):
+    """Qwen-Image's VAE: Wan 2.1's structure (causal 3D convolutions, per-pixel RMS norms, the same
+    resamplers and attention blocks) under its own class names; an image is one latent frame."""
+
+    blocks_module = "autoencoder_kl_qwenimage"
+    blocks_prefix = "QwenImage"

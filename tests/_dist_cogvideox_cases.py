@@ -37,7 +37,7 @@ CASES = {
 REFUSALS = {
     "vae_exact_refused": (1, {"parallel": {"vae_parallel": "exact", "timeout_s": 120}}, {}),
     # batched CFG split needs both branches in the batch: guidance_scale <= 1 runs a batch of one
-    "cfg2_without_guidance_refused": (2, {}, {"cfg": False}),
+    "cfg2_without_guidance_runs": (2, {}, {"cfg": False}),  # batch 1: every cfg rank runs the whole call
 }
 
 

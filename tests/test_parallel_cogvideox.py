@@ -62,7 +62,8 @@ def _check(world, name):
 def test_refusals_name_the_option_on_every_rank_without_a_hang():
     for res in _results(2):
         assert "AutoencoderKLCogVideoX" in res["vae_exact_refused"]["error"], res["vae_exact_refused"]
-        assert "not a multiple of the cfg degree 2" in res["cfg2_without_guidance_refused"]["error"]
+        # guidance_scale <= 1 (batch 1): nothing to split, every cfg rank runs the whole call, no error or hang
+        assert res["cfg2_without_guidance_runs"]["error"] is None, res["cfg2_without_guidance_runs"]
 
 
 @pytest.mark.parametrize("name", [n for n in CASES_2 if n in cases.CASES])

@@ -136,8 +136,8 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
     else:
         world = world_size_of(None)
         try:
-            cfg_degree, seq_degree = config.parallel.resolve(world)
-            ring_degree = config.parallel.resolve_mesh(world)[2]
+            cfg_degree, ulysses_degree, ring_degree = config.parallel.resolve_mesh(world)
+            seq_degree = ulysses_degree * ring_degree
         except ConfigError:  # degrees that do not fit the world: init_mesh names the valid ones, after the checks
             cfg_degree, seq_degree = config.parallel.cfg_degree, max(1, world // config.parallel.cfg_degree)
     sparse_on = config.sparse is not None and config.sparse.sparse_type is not None

@@ -163,14 +163,8 @@ class ScheduledSparseAttention:
             return ring.attention(self.dense_fn, q, k, v, joint=joint)
         return self.dense_fn(q, k, v) if joint is None else self.dense_fn(q, k, v, joint=joint)
 
-    def ring_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring,
-                       joint: JointTokens | None = None):
-        """Under Ring attention (lite_boost.parallel.ring): q, k, v are this rank's chunk (eager).
-
-        Joint text tokens under Ring run the dense ring (the text joins once, not per ring step).
-        """
-        if joint is not None:
-            return self._dense(q, k, v, joint, "joint text tokens under Ring attention run the dense ring", ring)
+    def ring_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring):
+        """Under Ring attention (lite_boost.parallel.ring): q, k, v are this rank's chunk (eager)."""
         return self.run(q, k, v, ring=ring)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, joint: JointTokens | None = None, ring=None):

@@ -264,8 +264,8 @@ class RingAttention:
             joint.check(q, v)
         self._geometry(q.shape[1])
         if self.ring_aware:
-            if joint is not None:  # eager: the attention decides (a sparse one runs the dense ring with the text)
-                return self.attn_fn.ring_attention(q, k, v, self, joint=joint, **kwargs)
+            if joint is not None:  # ParallelManager refuses block-sparse Ring for joint-attention families
+                raise NotImplementedError(f"{self.attn_fn!r} drives the ring itself and takes no joint tokens")
             if torch.compiler.is_compiling():  # eager inside one opaque op (data-dependent, collectives)
                 return torch.ops.lite_boost_graph.ring_inner_attention(q, k, v, self._key)
             return self.attn_fn.ring_attention(q, k, v, self, **kwargs)

@@ -9,11 +9,12 @@ one world size share one process group.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _dist_utils import parallel_record  # noqa: E402
 
 # name -> variant, heads, (height, width), cfg_degree, config extra, call extra
 # 48 x 80 px x 9 frames = 3 latent frames x 3 x 5 tokens = 45 video tokens (2 x 15 = 30 with patch_size_t 2)
@@ -96,17 +97,6 @@ def run_cases(rank, world_size, init_method, names):
         got = pipe(**call()).frames
         hook.remove()
         mesh.sequence.stats = None
-        par = pipe.transformer._lite_boost.extras["parallel"]
-        sparse = pipe.transformer._lite_boost.extras.get("sparse")
-        out[name] = {
-            "maxdiff": (got - ref).abs().max().item() if got.shape == ref.shape else math.inf,
-            "ref_abs": ref.abs().max().item(),
-            "seen": sorted(set(seen)),
-            "calls": dict(stats.calls),
-            "cfg_calls": dict(par.cfg.calls) if par.cfg is not None else None,
-            "sparse_paths": sorted({e.path for e in sparse.events}) if sparse is not None else None,
-            "sparse_effective": sparse.mean_effective_sparsity() if sparse is not None else None,
-            "sequence_degree": mesh.sequence_degree,
-        }
+        out[name] = parallel_record(pipe.transformer, mesh, got, ref, seen, stats)
         unparallelize(pipe)
     return out

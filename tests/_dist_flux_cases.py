@@ -10,11 +10,12 @@ All cases of one world size share one process group.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _dist_utils import parallel_record  # noqa: E402
 
 # name -> kind, heads, (height, width) px, cfg_degree, sparsity, extra call arguments
 # 12 x 20 px = 3 x 5 = 15 image tokens; Kontext adds a 16 x 24 px reference (4 x 6 = 24 tokens)
@@ -123,17 +124,6 @@ def run_cases(rank, world_size, init_method, names):
         for handle in handles:
             handle.remove()
         mesh.sequence.stats = None
-        par = model._lite_boost.extras.get("parallel")
-        sparse = model._lite_boost.extras.get("sparse")
-        out[name] = {
-            "maxdiff": (got - ref).abs().max().item() if got.shape == ref.shape else math.inf,
-            "ref_abs": ref.abs().max().item(),
-            "seen": sorted(set(seen)),
-            "last_text": texts[-1] if texts else None,
-            "calls": dict(stats.calls),
-            "cfg_calls": dict(par.cfg.calls) if par is not None and par.cfg is not None else None,
-            "sparse_paths": sorted({e.path for e in sparse.events}) if sparse is not None else None,
-            "sparse_effective": sparse.mean_effective_sparsity() if sparse is not None else None,
-        }
+        out[name] = {**parallel_record(model, mesh, got, ref, seen, stats), "last_text": texts[-1] if texts else None}
         unparallelize(target)
     return out

@@ -9,11 +9,12 @@ All cases of one world size share one process group.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _dist_utils import parallel_record  # noqa: E402
 
 LAYERS = 2  # attention layers of every tiny model (HunyuanVideo: 1 dual + 1 single; 1.5: 2 dual)
 STEPS = 2
@@ -102,17 +103,6 @@ def run_cases(rank, world_size, init_method, names):
         for h in hooks:
             h.remove()
         mesh.sequence.stats = None
-        par = m._lite_boost.extras["parallel"]
-        sparse = m._lite_boost.extras.get("sparse")
-        out[name] = {
-            "maxdiff": (got - ref).abs().max().item() if got.shape == ref.shape else math.inf,
-            "ref_abs": ref.abs().max().item(),
-            "seen": sorted(set(seen)),
-            "first_rows": sorted(set(first_rows)),
-            "calls": dict(stats.calls),
-            "cfg_calls": dict(par.cfg.calls) if par.cfg is not None else None,
-            "sparse_paths": sorted({e.path for e in sparse.events}) if sparse is not None else None,
-            "sparse_effective": sparse.mean_effective_sparsity() if sparse is not None else None,
-        }
+        out[name] = {**parallel_record(m, mesh, got, ref, seen, stats), "first_rows": sorted(set(first_rows))}
         unparallelize(pipe)
     return out

@@ -9,11 +9,12 @@ that ran. All cases of one world size share one process group.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _dist_utils import parallel_record  # noqa: E402
 
 # name -> kind, heads, (height, width, frames), cfg_degree, extra config, extra call arguments
 # 96 x 160 x 9 px = 2 x 3 x 5 = 30 tokens; 96 x 160 x 17 px = 3 x 3 x 5 = 45; 128 x 256 x 25 px = 4 x 4 x 8 = 128
@@ -94,22 +95,12 @@ def run_cases(rank, world_size, init_method, names):
         got = pipe(**call()).frames
         hook.remove()
         mesh.sequence.stats = None
-        state = pipe.transformer._lite_boost
-        par = state.extras["parallel"]
-        sparse = state.extras.get("sparse")
-        cache = state.extras.get("cache")
+        cache = pipe.transformer._lite_boost.extras.get("cache")
         ref_cache = ref_pipe.transformer._lite_boost.extras.get("cache") if extra_cfg else None
         out[name] = {
-            "maxdiff": (got - ref).abs().max().item() if got.shape == ref.shape else math.inf,
-            "ref_abs": ref.abs().max().item(),
-            "seen": sorted(set(seen)),
-            "calls": dict(stats.calls),
-            "cfg_calls": dict(par.cfg.calls) if par.cfg is not None else None,
-            "sparse_paths": sorted({e.path for e in sparse.events}) if sparse is not None else None,
-            "sparse_effective": sparse.mean_effective_sparsity() if sparse is not None else None,
+            **parallel_record(pipe.transformer, mesh, got, ref, seen, stats),
             "decisions": [d.compute for d in cache.decisions] if cache is not None else None,
             "ref_decisions": [d.compute for d in ref_cache.decisions] if ref_cache is not None else None,
-            "sequence_degree": mesh.sequence_degree,
         }
         unparallelize(pipe)
     # no parallel-VAE adapter: an explicit mode is refused on every rank before any collective

@@ -116,3 +116,24 @@ def stop_workers(procs) -> None:
             p.communicate(timeout=10)
         except Exception:  # noqa: BLE001 - already reaped or unkillable: nothing more to do
             pass
+
+
+def parallel_record(model, mesh, got, ref, seen, stats) -> dict:
+    """The per-case record the family parallel-parity tests share: the output's max abs difference from
+    the one-process reference, what the hooked block saw, the collectives counted by ``stats``, the CFG
+    split's counters, the sparse paths taken, and the mesh's degrees."""
+    import math
+
+    extras = model._lite_boost.extras
+    par, sparse = extras.get("parallel"), extras.get("sparse")
+    return {
+        "maxdiff": (got - ref).abs().max().item() if got.shape == ref.shape else math.inf,
+        "ref_abs": ref.abs().max().item(),
+        "seen": sorted(set(seen)),
+        "calls": dict(stats.calls),
+        "cfg_calls": dict(par.cfg.calls) if par is not None and par.cfg is not None else None,
+        "sparse_paths": sorted({e.path for e in sparse.events}) if sparse is not None else None,
+        "sparse_effective": sparse.mean_effective_sparsity() if sparse is not None else None,
+        "sequence_degree": mesh.sequence_degree,
+        "ring_degree": mesh.ring_degree,
+    }

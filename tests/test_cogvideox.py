@@ -12,6 +12,7 @@ import _tiny_cogvideox as T
 import lite_boost
 from lite_boost.config import BoostConfig, ConfigError, SparseConfig
 from lite_boost.models.cogvideox import COGVIDEOX, CogVideoXJointProcessor
+from conftest import check_regional_compile
 
 TOL = 1e-5
 
@@ -198,14 +199,7 @@ def test_compile_repeated_blocks_fullgraph_matches_eager(kind, fresh_dynamo):
     model._repeated_blocks = ("CogVideoXBlock",)  # diffusers declares none for CogVideoX: on this instance
     inputs = T.transformer_inputs(spec, grid=(2, 4, 8))
     steps = [torch.tensor([900, 900]), torch.tensor([600, 600])]
-    with torch.no_grad():
-        ref = [model(**{**inputs, "timestep": t}).sample for t in steps]
-        model.compile_repeated_blocks(fullgraph=True)
-        out = [model(**{**inputs, "timestep": t}).sample for t in steps]
-    for r, o in zip(ref, out):
-        assert (o - r).abs().max().item() <= 1e-4
-    if kind == "sparse":
-        assert {e.path for e in model._lite_boost.extras["sparse"].events} == {"sparse"}
+    check_regional_compile(model, inputs, steps, sparse=kind == "sparse")
 
 
 # --------------------------------------------------------------------------------------------- registry

@@ -13,6 +13,7 @@ import lite_boost
 from lite_boost.config import BoostConfig, ConfigError, SparseConfig
 from lite_boost.models.hunyuan_video import HUNYUAN_VIDEO, HunyuanVideoJointProcessor
 from lite_boost.ops.rope import RotaryEmbedding
+from conftest import check_regional_compile
 
 TOL = 1e-5
 KINDS = ["t2v", "latent_concat", "token_replace"]
@@ -224,14 +225,7 @@ def test_compile_repeated_blocks_fullgraph_matches_eager(kind, fresh_dynamo):
     lite_boost.boost(model, config)
     inputs = hy.transformer_inputs(spec, grid=(2, 4, 8), valid=[7])
     steps = [torch.tensor([900.0]), torch.tensor([600.0])]
-    with torch.no_grad():
-        ref = [model(**{**inputs, "timestep": t}).sample for t in steps]
-        model.compile_repeated_blocks(fullgraph=True)
-        out = [model(**{**inputs, "timestep": t}).sample for t in steps]
-    for r, o in zip(ref, out):
-        assert (o - r).abs().max().item() <= 1e-4
-    if kind == "sparse":
-        assert {e.path for e in model._lite_boost.extras["sparse"].events} == {"sparse"}
+    check_regional_compile(model, inputs, steps, sparse=kind == "sparse")
 
 
 # --------------------------------------------------------------------------------------------- registry

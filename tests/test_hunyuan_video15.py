@@ -13,6 +13,7 @@ import _tiny_hunyuan as hy
 import lite_boost
 from lite_boost.config import BoostConfig, ConfigError, SparseConfig
 from lite_boost.models.hunyuan_video import HUNYUAN_VIDEO_15, HunyuanVideo15JointProcessor
+from conftest import check_regional_compile
 
 TOL = 1e-5
 
@@ -187,12 +188,7 @@ def test_compile_repeated_blocks_fullgraph_matches_eager(fresh_dynamo):
     model = lite_boost.boost(hy.hunyuan15_transformer(spec))
     inputs = hy.transformer_inputs_15(spec, valid=[(4, 3)])
     steps = [torch.tensor([900.0]), torch.tensor([600.0])]
-    with torch.no_grad():
-        ref = [model(**{**inputs, "timestep": t}).sample for t in steps]
-        model.compile_repeated_blocks(fullgraph=True)
-        out = [model(**{**inputs, "timestep": t}).sample for t in steps]
-    for r, o in zip(ref, out):
-        assert (o - r).abs().max().item() <= 1e-4
+    check_regional_compile(model, inputs, steps)
 
 
 # --------------------------------------------------------------------------------------------- registry

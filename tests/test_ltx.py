@@ -12,6 +12,7 @@ import lite_boost
 from lite_boost.config import BoostConfig, ConfigError, SparseConfig
 from lite_boost.models.ltx import LTX, LTXAttnProcessor
 from lite_boost.ops.rope import RotaryEmbedding
+from conftest import check_regional_compile
 
 TOL = 1e-5
 PIPELINES = [("t2v", tl.TinyLTXSpec(), {}),
@@ -296,14 +297,7 @@ def test_compile_repeated_blocks_fullgraph_matches_eager(kind, fresh_dynamo):
     lite_boost.boost(model, config)
     inputs = tl.transformer_inputs(grid=(2, 4, 8))
     steps = [torch.tensor([900.0, 900.0]), torch.tensor([600.0, 600.0])]
-    with torch.no_grad():
-        ref = [model(**{**inputs, "timestep": t}).sample for t in steps]
-        model.compile_repeated_blocks(fullgraph=True)
-        out = [model(**{**inputs, "timestep": t}).sample for t in steps]
-    for r, o in zip(ref, out):
-        assert (o - r).abs().max().item() <= 1e-4
-    if kind == "sparse":
-        assert {e.path for e in model._lite_boost.extras["sparse"].events} == {"sparse"}
+    check_regional_compile(model, inputs, steps, sparse=kind == "sparse")
 
 
 # --------------------------------------------------------------------------------------------- registry

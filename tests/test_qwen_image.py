@@ -15,6 +15,7 @@ from lite_boost.config import BoostConfig, ConfigError, SparseConfig
 from lite_boost.demo import TinyQwenImageSpec, tiny_qwen_image_pipeline, tiny_qwen_image_transformer
 from lite_boost.models.qwenimage import QwenImageJointProcessor
 from lite_boost.ops.rope import RotaryEmbedding
+from conftest import check_regional_compile
 
 TOL = 1e-5
 SPEC = TinyQwenImageSpec(heads=3)
@@ -243,14 +244,7 @@ def test_compile_repeated_blocks_fullgraph_matches_eager(kind, _fresh_dynamo):
     lite_boost.boost(model, config)
     inputs = cases.transformer_inputs(SPEC, grid=(4, 8))
     steps = [torch.tensor([0.9]), torch.tensor([0.6])]
-    with torch.no_grad():
-        ref = [model(**{**inputs, "timestep": t}).sample for t in steps]
-        model.compile_repeated_blocks(fullgraph=True)
-        out = [model(**{**inputs, "timestep": t}).sample for t in steps]
-    for r, o in zip(ref, out):
-        assert (o - r).abs().max().item() <= 1e-4
-    if kind == "sparse":
-        assert {e.path for e in model._lite_boost.extras["sparse"].events} == {"sparse"}
+    check_regional_compile(model, inputs, steps, sparse=kind == "sparse")
 
 
 # --------------------------------------------------------------------------------------------- registry

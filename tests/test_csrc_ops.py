@@ -610,3 +610,28 @@ def test_backend_choice_traces_without_graph_breaks(lib):
     explained = torch._dynamo.explain(f)(q)
     assert explained.graph_break_count == 0
     torch.testing.assert_close(torch.compile(f, backend="eager", fullgraph=True)(q), q * 2.0)
+
+
+@pytest.mark.parametrize("gemm", [None, "blas", "no-onednn"])
+@pytest.mark.parametrize("layout", ["TND", "BNSD"])
+def test_cpu_kernel_fp32_gemm_paths(lib, monkeypatch, gemm, layout):
+    """fp32 runs its GEMMs on oneDNN's brgemm (default: S = Q K^T from one transposed copy of K, the scale in
+    the softmax), on the BLAS sgemm (LITE_BOOST_RF_GEMM=blas), or with oneDNN switched off (brgemm's own BLAS
+    fallback): each matches the fp64 reference, with a custom scale, GQA, scattered and consecutive runs,
+    partial tail blocks, ragged TND batches, strided query rows and several KV tiles per row."""
+    if gemm == "blas":
+        monkeypatch.setenv("LITE_BOOST_RF_GEMM", "blas")
+    else:
+        monkeypatch.delenv("LITE_BOOST_RF_GEMM", raising=False)
+    gen = torch.Generator().manual_seed(11)
+    q_lens, kv_lens = ([150, 77], [260, 130]) if layout == "TND" else ([150, 150], [260, 260])
+    q, k, v = _problem(gen, layout, q_lens, kv_lens, 2, 4, 64, 48, torch.float32)
+    if layout == "BNSD":  # strided query rows: BSND storage viewed as BNSD
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    idx, num = _paired_selection(gen, q_lens, kv_lens, 16, 16, 8)
+    monkeypatch.setenv("LITE_BOOST_RF_KV_TILE", "64")  # several tiles per row: the online softmax rescales
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", gemm != "no-onednn")
+    out, lse = _op_call(lib, q, k, v, idx, num, (16, 16), layout, q_lens, kv_lens, scale=0.3)
+    ref, ref_lse = _reference(q, k, v, idx, num, (16, 16), layout, q_lens, kv_lens, scale=0.3)
+    torch.testing.assert_close(out, ref.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)

@@ -635,3 +635,27 @@ def test_cpu_kernel_fp32_gemm_paths(lib, monkeypatch, gemm, layout):
     ref, ref_lse = _reference(q, k, v, idx, num, (16, 16), layout, q_lens, kv_lens, scale=0.3)
     torch.testing.assert_close(out, ref.float(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("half_gemm,gemm", [(None, None), ("1", None), ("0", None), ("0", "blas")])
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("layout", ["TND", "BNSD"])
+def test_cpu_kernel_16bit_gemm_paths(lib, monkeypatch, half_gemm, gemm, dtype, tol, layout):
+    """16-bit inputs run MKL's 16-bit GEMMs in place (LITE_BOOST_RF_HALF_GEMM=1; the default on CPUs with AMX)
+    or are widened to fp32 tiles for the fp32 GEMMs (=0; the default elsewhere), on oneDNN's brgemm or on BLAS
+    (LITE_BOOST_RF_GEMM=blas): each matches the fp64 reference within the input dtype's rounding."""
+    for name, value in (("LITE_BOOST_RF_HALF_GEMM", half_gemm), ("LITE_BOOST_RF_GEMM", gemm)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.setenv("LITE_BOOST_RF_KV_TILE", "64")
+    gen = torch.Generator().manual_seed(12)
+    q_lens, kv_lens = ([150, 77], [260, 130]) if layout == "TND" else ([150, 150], [260, 260])
+    q, k, v = _problem(gen, layout, q_lens, kv_lens, 2, 2, 64, 48, dtype)
+    idx, num = _paired_selection(gen, q_lens, kv_lens, 16, 16, 4)
+    out, lse = _op_call(lib, q, k, v, idx, num, (16, 16), layout, q_lens, kv_lens)
+    ref, ref_lse = _reference(q, k, v, idx, num, (16, 16), layout, q_lens, kv_lens)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)

@@ -19,9 +19,11 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <cmath>
 #include <limits>
@@ -120,6 +122,19 @@ void copy_rows_prefetched(const T* src, int64_t ld_src, T* dst, int64_t ld_dst, 
   }
 }
 
+// Whether /proc/cpuinfo lists `flag` (Linux x86; false elsewhere), read once.
+bool cpu_has_flag(const std::string& flag) {
+  static const std::string flags = [] {
+    std::ifstream f("/proc/cpuinfo");
+    std::string line;
+    while (std::getline(f, line)) {
+      if (line.rfind("flags", 0) == 0) return line + " ";
+    }
+    return std::string();
+  }();
+  return flags.find(" " + flag + " ") != std::string::npos;
+}
+
 struct Scratch {
   std::vector<float> q, k, v, s, acc, m, l;
 };
@@ -179,51 +194,59 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
   if (const char* e = std::getenv("LITE_BOOST_RF_KV_TILE")) max_tile = std::max<int64_t>(std::atoll(e), 1);
   const int64_t kv_tile = std::max<int64_t>(max_tile / bk, 1) * bk;
   const int64_t mq = pair * bq;  // most query rows of one tile
-  // fp16/bf16: MKL's 16-bit GEMMs read the inputs in place (P is rounded to the input dtype before P V,
-  // as PyTorch's own CPU flash attention does); otherwise tiles are widened to fp32 for sgemm.
+  // fp16/bf16: MKL's 16-bit GEMMs read the inputs in place (P is rounded to the input dtype before P V, as
+  // PyTorch's own CPU flash attention does) where the CPU has 16-bit matrix units (AMX-BF16 / AMX-FP16);
+  // elsewhere the tiles are widened to fp32 for the fp32 GEMMs below: on an AMD EPYC (Zen 4) MKL's 16-bit
+  // GEMMs made the whole sparse call 1.85x slower than widening (S = 16,384, 2 heads, s = 0.8).
+  // LITE_BOOST_RF_HALF_GEMM=1 / 0 forces either.
   bool half_mode = false;
   if constexpr (!std::is_same_v<T, float>) {
-    const char* e = std::getenv("LITE_BOOST_RF_HALF_GEMM");
-    half_mode = have_half_gemm<T>() && !(e && std::string(e) == "0");
+    bool prefer = cpu_has_flag(std::is_same_v<T, at::BFloat16> ? "amx_bf16" : "amx_fp16");
+    if (const char* e = std::getenv("LITE_BOOST_RF_HALF_GEMM")) prefer = std::string(e) != "0";
+    half_mode = have_half_gemm<T>() && prefer;
   }
   // How far the K tile copy prefetches ahead (bytes; LITE_BOOST_RF_PREFETCH=0 turns it off, for comparisons).
   int64_t prefetch_bytes = 8192;
   if (const char* e = std::getenv("LITE_BOOST_RF_PREFETCH")) prefetch_bytes = std::max<int64_t>(std::atoll(e), 0);
   // fp32: GEMMs on oneDNN's brgemm micro-kernel (at::native::cpublas::brgemm; C (+)= A B, no transpose, no alpha)
   // rather than the BLAS sgemm. On AMD EPYC (Zen 4, AVX-512) MKL takes its AVX2 path: 88-92 GFLOP/s per core at
-  // this kernel's tile shapes against oneDNN's 185-206. S = Q K^T reads K^T: one transposed copy of K per call
-  // (D x tokens per (batch, KV head), the size of K), so every tile's segments are read in place. The scale
-  // moves from the GEMM's alpha into the softmax's exponent. LITE_BOOST_RF_GEMM=blas keeps the sgemm path.
+  // this kernel's tile shapes against oneDNN's 185-206. S = Q K^T reads K^T: a transposed copy of the K of one
+  // (batch, KV head) at a time, so every tile's segments are read in place. The scale moves from the GEMM's
+  // alpha into the softmax's exponent. LITE_BOOST_RF_GEMM=blas keeps the sgemm path.
+  // 16-bit inputs widened to fp32 (no 16-bit GEMM, or LITE_BOOST_RF_HALF_GEMM=0) take the same path on
+  // widened Q / K^T / V tiles.
   bool brg = false;
-  if constexpr (kF32) {
+  if (kF32 || !half_mode) {
     const char* e = std::getenv("LITE_BOOST_RF_GEMM");
     brg = at::hasMKLDNN() && !(e && std::string(e) == "blas");
   }
-  at::Tensor kt_owner;
-  const float* kt_base = nullptr;
-  std::vector<int64_t> kt_off;  // K^T of (b, kv head h) at kt_base + kt_off[b] + h * kt_head, row d at + d * kt_ld
-  int64_t kt_head = 0, kt_ld = 0;
+  // brg: K^T of one (batch, KV head) at a time, D x kv_len (row stride kt_ld), refilled before the work items of
+  // that head run (items are h-major, so they are one contiguous range): the extra memory is one head's K.
+  at::Tensor kt_buf;
+  const float* kt_cur = nullptr;
+  int64_t kt_ld = 0;
   if (brg) {
-    if (p.kv_layout == "BNSD") {
-      kt_owner = key.transpose(2, 3).contiguous();  // (B, N2, D, S)
-      kt_head = kt_owner.stride(1);
-      kt_ld = kt_owner.stride(2);
-      for (size_t b = 0; b < p.kv_lens.size(); ++b) kt_off.push_back(static_cast<int64_t>(b) * kt_owner.stride(0));
-    } else {
-      kt_owner = key.permute({1, 2, 0}).contiguous();  // (N2, D, T): batch b's tokens start at its offset
-      kt_head = kt_owner.stride(0);
-      kt_ld = kt_owner.stride(1);
-      int64_t start = 0;
-      for (auto n : p.kv_lens) {
-        kt_off.push_back(start);
-        start += n;
-      }
-    }
-    kt_base = kt_owner.const_data_ptr<float>();
+    kt_ld = std::max<int64_t>(*std::max_element(p.kv_lens.begin(), p.kv_lens.end()), 1);
+    kt_buf = at::empty({d, kt_ld}, key.options().dtype(at::kFloat));
+    kt_cur = kt_buf.const_data_ptr<float>();
   }
+  auto fill_kt = [&](int64_t b, int64_t kvh) {
+    const int64_t n = p.kv_lens[b];
+    at::Tensor rows;  // (n, D) of K
+    if (p.kv_layout == "BNSD") {
+      rows = key.select(0, b).select(0, kvh).narrow(0, 0, n);
+    } else {
+      int64_t start = 0;
+      for (int64_t i = 0; i < b; ++i) start += p.kv_lens[i];
+      rows = key.narrow(0, start, n).select(1, kvh);
+    }
+    kt_buf.narrow(1, 0, n).copy_(rows.t());
+  };
   std::atomic<int64_t> next{0};
-  const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(total, 1));
-
+  // the work items [lo, hi), handed out dynamically to ATen's threads
+  auto run_items = [&](int64_t lo, int64_t hi) {
+  next = lo;
+  const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(hi - lo, 1));
   at::parallel_for(0, nthreads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t tid = t0; tid < t1; ++tid) {
       Scratch w;
@@ -237,8 +260,8 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
       if (half_mode) {
         p16.resize(mq * kv_tile);
         k_buf16.resize(kv_tile * d);
-      } else if (!brg) {
-        w.k.resize(kv_tile * d);
+      } else {
+        if (!brg) w.k.resize(kv_tile * d);
         if (!kF32) w.v.resize(kv_tile * dv);
         if (!kF32) w.q.resize(mq * d);
       }
@@ -277,7 +300,12 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
           const T* k16 = nullptr;
           int64_t ldk = d;
           if (brg) {
-            // every segment's K^T columns are read in place below
+            // every segment's K^T columns are read in place below; widened inputs: V into the tile buffer
+            if constexpr (!kF32) {
+              for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
+                widen(V.at(b, kvh, seg_tok[sg]), V.tok_stride, w.v.data() + off * dv, dv, seg_len[sg], dv);
+              }
+            }
           } else if (in_place && nseg == 1) {
             k16 = K.at(b, kvh, seg_tok[0]);
             ldk = K.tok_stride;
@@ -305,12 +333,9 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
           // brg: S (rows x kn) = Q K^T unscaled, one brgemm per segment
           const float sc = brg ? scale : 1.f;
           if (brg) {
-            if constexpr (kF32) {
-              const float* kt = kt_base + kt_off[b] + kvh * kt_head;
-              for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
-                at::native::cpublas::brgemm(rows, seg_len[sg], d, ldq, kt_ld, kn, false, q_tile, kt + seg_tok[sg], s + off,
-                                            false);
-              }
+            for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
+              at::native::cpublas::brgemm(rows, seg_len[sg], d, ldq, kt_ld, kn, false, q_tile, kt_cur + seg_tok[sg],
+                                          s + off, false);
             }
           } else if (half_mode) {
             if constexpr (!kF32) half_gemm<T>(true, rows, kn, d, scale, Q.at(b, h, tok0), Q.tok_stride, k16, ldk, 0.f, s, kn);
@@ -364,13 +389,15 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
                 half_gemm<T>(false, rows, dv, seg_len[sg], 1.f, p16.data() + off, kn, v_seg, V.tok_stride, beta, acc, dv);
               }
             }
+          } else if (brg) {
+            at::native::cpublas::brgemm(rows, dv, kn, kn, dv, dv, !first, s, w.v.data(), acc, false);
           } else {
             gemm_nn(rows, dv, kn, 1.f, s, kn, w.v.data(), dv, first ? 0.f : 1.f, acc, dv);
           }
           first = false;
         }
       };
-      for (int64_t item = next.fetch_add(1); item < total; item = next.fetch_add(1)) {
+      for (int64_t item = next.fetch_add(1); item < hi; item = next.fetch_add(1)) {
         int64_t b = 0;
         while (item >= item_start[b + 1]) ++b;
         const int64_t local = item - item_start[b];
@@ -462,6 +489,18 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
       }
     }
   });
+  };
+  if (!brg) {
+    run_items(0, total);
+    return;
+  }
+  for (size_t b = 0; b < p.q_lens.size(); ++b) {
+    for (int64_t kvh = 0; kvh < p.n2; ++kvh) {
+      fill_kt(static_cast<int64_t>(b), kvh);
+      const int64_t lo = item_start[b] + kvh * g * per_head[b];
+      run_items(lo, lo + g * per_head[b]);
+    }
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> rain_fusion_attention_cpu(

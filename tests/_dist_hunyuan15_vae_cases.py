@@ -105,6 +105,18 @@ def exact_cases(mesh):
             ref_d = vae.decode(z).sample
             dec = _run(vae, mesh.world, z, x, mode="exact", adapter=_ZeroEdges(vae))[0]
             out[(name, "zero_edges")] = dict(dec=_diff(dec, ref_d))
+            if name == "small":
+                # a frame tall enough that PyTorch runs full-frame convolutions with oneDNN while a band alone
+                # would fall back to the im2col kernel: the bands keep the full frame's kernel (profiler counts)
+                z, _ = inputs(vae, 5, 54, 1, seed=41)
+                kernels = {}
+                for which in ("seq", "par"):
+                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                        dec = vae.decode(z).sample if which == "seq" else _run(vae, mesh.world, z, x, mode="exact")[0]
+                    ev = {e.key: e.count for e in prof.key_averages()}
+                    kernels[which] = (ev.get("aten::mkldnn_convolution", 0), ev.get("aten::slow_conv3d_forward", 0))
+                    ref_d = dec if which == "seq" else ref_d
+                out[(name, "full_frame_kernel")] = dict(dec=_diff(dec, ref_d), kernels=kernels)
             # the VAE's own spatial tiling: 4 x 4 latent tiles (stride 3), 4 * scale pixel tiles (stride 3 * scale)
             s = vae.config.spatial_compression_ratio
             vae.enable_tiling(tile_sample_min_height=4 * s, tile_sample_min_width=4 * s, tile_latent_min_height=4,

@@ -516,10 +516,19 @@ def _check_overlap_halo(value) -> None:
         raise ConfigError(f"overlap_halo must be one of [True, False, 'auto'], got {value!r}")
 
 
+def _conv_of(module):
+    """The Conv2d / Conv3d a halo module runs: itself, or the only one inside a wrapper module (e.g. a
+    causal convolution that pads, then calls its ``Conv3d``); None when there is none or several."""
+    if isinstance(module, (torch.nn.Conv2d, torch.nn.Conv3d)):
+        return module
+    convs = [m for m in module.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d))]
+    return convs[0] if len(convs) == 1 else None
+
+
 def _overlap_pays(module) -> bool:
     """Whether the overlapped (three-call) path suits this halo module ("auto" policy): always off the
-    CPU, on the CPU only for weights up to ``_OVERLAP_MAX_WEIGHT_BYTES_CPU``."""
-    weight = getattr(module, "weight", None)
+    CPU, on the CPU only for weights up to ``_OVERLAP_MAX_WEIGHT_BYTES_CPU`` (a wrapper's: its conv's)."""
+    weight = getattr(_conv_of(module) or module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu":
         return True
     return weight.numel() * weight.element_size() <= _OVERLAP_MAX_WEIGHT_BYTES_CPU
@@ -709,9 +718,12 @@ class _SpatialSplit:
         return (torch.cat([x.narrow(self.DIM, 0, x.shape[self.DIM] - 1), nxt], dim=self.DIM),) + tuple(args[1:])
 
     # --- the full frame's convolution kernel for a band
-    def _conv_forward(self, module, orig):
+    def _conv_forward(self, module, orig, halo_module=None):
+        """``module``'s conv kernel call; ``halo_module``: the wrapper whose full rows it sees (default: itself)."""
+        key_id = id(module if halo_module is None else halo_module)
+
         def conv_forward(x, weight, bias):
-            full = self.full_rows.get(id(module)) if self.band.sizes is not None else None
+            full = self.full_rows.get(key_id) if self.band.sizes is not None else None
             if full is not None:
                 key = (id(module), tuple(x.shape), full)
                 use = self.onednn.get(key)
@@ -771,8 +783,9 @@ class _SpatialSplit:
             for mod in layout.bottom_halo:
                 self.handles.append(mod.register_forward_pre_hook(self._bottom_pre))
             for mod in [m for m, _ in layout.halo] + list(layout.bottom_halo):
-                if isinstance(mod, (torch.nn.Conv2d, torch.nn.Conv3d)):
-                    self._patch(mod, "_conv_forward", lambda orig, mod=mod: self._conv_forward(mod, orig))
+                conv = _conv_of(mod)
+                if conv is not None:
+                    self._patch(conv, "_conv_forward", lambda orig, conv=conv, mod=mod: self._conv_forward(conv, orig, mod))
             for mod in layout.gather:
                 self.handles.append(mod.register_forward_pre_hook(self._gather_pre))
                 self.handles.append(mod.register_forward_hook(self._gather_post))

@@ -48,6 +48,7 @@ HUNYUAN15_VAE_FIRST_UNIT_COST = 0.25
 class HunyuanVideo15VAEAdapter(VAEAdapter):
     decode_method = "_decode"
     encode_method = "_encode"
+    # chunked mode's warm-up frames: Wan's defaults, NOT a seam study of this VAE (no trained weights offline)
     default_overlap = 2
     default_encode_overlap = 2
 

@@ -14,6 +14,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _dist_vae_cases import _diff, _run  # noqa: E402  (sequential-vs-parallel max diff; one parallel decode + encode)
+
 
 def vae_small():
     """The tiny pipelines' VAE: 4x spatial (2 downsamplers), 2x temporal."""
@@ -43,30 +45,6 @@ def inputs(vae, n_lat, h, w, seed):
     z = torch.randn(1, cfg.latent_channels, n_lat, h, w, generator=g)
     x = torch.rand(1, 3, 1 + t * (n_lat - 1), s * h, s * w, generator=g) * 2 - 1
     return z, x
-
-
-def _diff(a, b):
-    if tuple(a.shape) != tuple(b.shape):
-        return float("inf")
-    return (a - b).abs().max().item()
-
-
-def _run(vae, comm, z, x, **kw):
-    from lite_boost.parallel.vae import parallel_vae_state, parallelize_vae, unparallelize_vae
-
-    parallelize_vae(vae, comm, **kw)
-    stats = comm.enable_stats()
-    try:
-        stats.reset()
-        dec = vae.decode(z).sample
-        dec_calls, plan = dict(stats.calls), parallel_vae_state(vae).last_plan
-        stats.reset()
-        enc = vae.encode(x).latent_dist.mean
-        enc_calls, enc_plan = dict(stats.calls), parallel_vae_state(vae).last_plan
-    finally:
-        unparallelize_vae(vae)
-        comm.stats = None
-    return dec, enc, dec_calls, enc_calls, (plan, enc_plan)
 
 
 def _ZeroEdges(vae):

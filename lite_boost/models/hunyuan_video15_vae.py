@@ -60,21 +60,14 @@ class HunyuanVideo15VAEAdapter(VAEAdapter):
         self.out_channels = cfg.out_channels
         self.z_dim = cfg.latent_channels
 
-    # --- frame bookkeeping and chunk runs: Wan's (one fresh network call per chunk, frame w as frame 0);
-    # both wrapped methods take and return plain tensors here
+    # --- frame bookkeeping and chunk runs: Wan's (one fresh network call per chunk, frame w as frame 0)
     num_units = WanVAEAdapter.num_units
     out_frames = WanVAEAdapter.out_frames
     out_shape = WanVAEAdapter.out_shape
+    run_chunk = WanVAEAdapter.run_chunk
 
-    def run_chunk(self, inner, inp, chunk, kind):
-        w, s, e = chunk.warm_start, chunk.start, chunk.stop
-        if kind == "decode":
-            out = inner(inp[:, :, w:e])
-            return out[:, :, (0 if s == 0 else self.out_frames(0, s - w, kind)):]
-        t = self.t
-        if w == 0:
-            return inner(inp[:, :, : 1 + t * (e - 1)])[:, :, s:]
-        return inner(inp[:, :, t * (w - 1) : 1 + t * (e - 1)])[:, :, s - w + 1 :]
+    def decode_tensor(self, inner, z):
+        return inner(z)  # _decode(z) returns the video tensor itself
 
     def chunk_cost(self, warm_start, start, stop, kind):
         extra = 1 if (kind == "encode" and start > 0) else 0

@@ -761,8 +761,8 @@ class _SpatialSplit:
     def install(self):
         layout = self.layout
         if any(id(m) in self.replicate for pair in layout.pairs for m in pair):
-            raise ValueError("parallel VAE: a halo module with replicate row padding cannot be one of SpatialLayout.pairs "
-                             "(their merged exchange assumes zero padding)")
+            raise ValueError("parallel VAE: a halo module with replicate row padding cannot be one of "
+                             "SpatialLayout.pairs (their merged exchange assumes zero padding)")
         self._patch(layout.root, "forward", self._root_forward)
         rows_of = {id(m): r for m, r in layout.halo}
         firsts, seconds = {}, set()
@@ -785,7 +785,8 @@ class _SpatialSplit:
             for mod in [m for m, _ in layout.halo] + list(layout.bottom_halo):
                 conv = _conv_of(mod)
                 if conv is not None:
-                    self._patch(conv, "_conv_forward", lambda orig, conv=conv, mod=mod: self._conv_forward(conv, orig, mod))
+                    self._patch(conv, "_conv_forward",
+                                lambda orig, conv=conv, mod=mod: self._conv_forward(conv, orig, mod))
             for mod in layout.gather:
                 self.handles.append(mod.register_forward_pre_hook(self._gather_pre))
                 self.handles.append(mod.register_forward_hook(self._gather_post))

@@ -280,8 +280,6 @@ HUNYUAN_VIDEO_15 = register_family(ModelFamily(
                                       uncond="pred_uncond", output_shape=_output_shape)),
     cache=HUNYUAN_VIDEO_15_CACHE_ADAPTER,
     quant_patterns=("transformer_blocks.*",),
-    unsupported={"parallel_vae": "AutoencoderKLHunyuanVideo15 has no parallel-VAE adapter yet; each rank decodes the "
-                                 "whole video"},
     notes="dense (S+T)^2 mask replaced by a key-padding mask; text (~2,000 tokens) replicated on every rank; CFG "
           "parallel through the ClassifierFreeGuidance guider",
     **_COMMON,

@@ -116,10 +116,14 @@ class WanVAEAdapter(VAEAdapter):
         return WAN_VAE_FIRST_UNIT_COST + (stop - warm_start - 1 + extra)
 
     # --- running one chunk through the VAE's own method
+    def decode_tensor(self, inner, z):
+        """The video tensor of ``inner(z)`` (the wrapped ``_decode``)."""
+        return inner(z, return_dict=False)[0]
+
     def run_chunk(self, inner, inp, chunk, kind):
         w, s, e = chunk.warm_start, chunk.start, chunk.stop
         if kind == "decode":
-            out = inner(inp[:, :, w:e], return_dict=False)[0]
+            out = self.decode_tensor(inner, inp[:, :, w:e])
             drop = 0 if s == 0 else self.out_frames(0, s - w, kind)  # frame w plays frame 0
             return out[:, :, drop:]
         t = self.t

@@ -153,6 +153,9 @@ class SpatialLayout:
         padding would be), and the second reads them (its causal cache, stored by the model from its
         input, carries them too). Needs ``unpad`` and bands of at least that many rows (else the two
         exchange separately).
+    replicate: halo modules whose row padding replicates the edge row (``F.pad(mode="replicate")``)
+        instead of adding zeros: at the image's top and bottom edges their halo rows are copies of the
+        band's edge row (with ``unpad`` they then stand in for that padding exactly). Not for ``pairs``.
     """
 
     root: torch.nn.Module
@@ -162,6 +165,7 @@ class SpatialLayout:
     gather: list = field(default_factory=list)  # [module]
     unpad: Callable[[torch.nn.Module], Callable[[], None]] | None = None
     pairs: list = field(default_factory=list)  # [(first, second)]
+    replicate: list = field(default_factory=list)  # [halo module]
 
 
 class VAEAdapter:
@@ -372,15 +376,19 @@ class _Collectives:
             dist.gather(buf, list(out.unbind(0)) if is_root else None, dst=dst, group=comm.group)
         return out
 
-    def halo(self, tensors: Sequence[torch.Tensor], dim: int, before: int, after: int, wait: bool = True):
+    def halo(self, tensors: Sequence[torch.Tensor], dim: int, before: int, after: int, wait: bool = True,
+             edge: str = "zeros"):
         """For each tensor, the last ``before`` rows (along ``dim``) of the previous rank and the first
-        ``after`` rows of the next one (zeros at the ends of the band order). One packed all_to_all.
+        ``after`` rows of the next one (at the ends of the band order: zeros, or with ``edge="replicate"``
+        copies of the tensor's own first / last row). One packed all_to_all.
 
         ``wait=False`` starts the exchange and returns ``finish()``, which waits for it and returns the
         result: the caller computes what needs no halo in between."""
         comm = self.comm
         P, r = comm.size, comm.rank
         dtype = tensors[0].dtype
+        if edge not in ("zeros", "replicate"):
+            raise ValueError(f"halo edge must be one of ['zeros', 'replicate'], got {edge!r}")
         if any(t.dtype != dtype for t in tensors):
             raise ValueError("halo exchange needs tensors of one dtype")
         for t in tensors:
@@ -412,6 +420,9 @@ class _Collectives:
                     work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=comm.group,
                                                   async_op=True)
 
+        def fill(t, shape, row):  # the rows beyond the image edge
+            return t.narrow(dim, row, 1).expand(shape) if edge == "replicate" else t.new_zeros(shape)
+
         def finish():
             if work is not None:
                 with self._guard("vae_halo"):
@@ -423,11 +434,12 @@ class _Collectives:
                 prev = nxt = None
                 if before:
                     shape, n = bots[i].shape, bots[i].numel()
-                    prev = from_prev[o_prev:o_prev + n].view(shape) if from_prev is not None else t.new_zeros(shape)
+                    prev = from_prev[o_prev:o_prev + n].view(shape) if from_prev is not None else fill(t, shape, 0)
                     o_prev += n
                 if after:
                     shape, n = tops[i].shape, tops[i].numel()
-                    nxt = from_next[o_next:o_next + n].view(shape) if from_next is not None else t.new_zeros(shape)
+                    nxt = (from_next[o_next:o_next + n].view(shape) if from_next is not None
+                           else fill(t, shape, t.shape[dim] - 1))
                     o_next += n
                 result.append((prev, nxt))
             return result
@@ -504,10 +516,19 @@ def _check_overlap_halo(value) -> None:
         raise ConfigError(f"overlap_halo must be one of [True, False, 'auto'], got {value!r}")
 
 
+def _conv_of(module):
+    """The Conv2d / Conv3d a halo module runs: itself, or the only one inside a wrapper module (e.g. a
+    causal convolution that pads, then calls its ``Conv3d``); None when there is none or several."""
+    if isinstance(module, (torch.nn.Conv2d, torch.nn.Conv3d)):
+        return module
+    convs = [m for m in module.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d))]
+    return convs[0] if len(convs) == 1 else None
+
+
 def _overlap_pays(module) -> bool:
     """Whether the overlapped (three-call) path suits this halo module ("auto" policy): always off the
-    CPU, on the CPU only for weights up to ``_OVERLAP_MAX_WEIGHT_BYTES_CPU``."""
-    weight = getattr(module, "weight", None)
+    CPU, on the CPU only for weights up to ``_OVERLAP_MAX_WEIGHT_BYTES_CPU`` (a wrapper's: its conv's)."""
+    weight = getattr(_conv_of(module) or module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu":
         return True
     return weight.numel() * weight.element_size() <= _OVERLAP_MAX_WEIGHT_BYTES_CPU
@@ -553,6 +574,7 @@ class _SpatialSplit:
         self.merged: dict[int, bool] = {}  # id(second of a pair) -> its input carries the halo (this call)
         self.full_rows: dict[int, int] = {}  # id(conv) -> its full-frame input rows, padding included (this call)
         self.onednn: dict[tuple, bool] = {}  # (id(conv), band input shape, full rows) -> run the band with oneDNN
+        self.replicate = {id(m) for m in layout.replicate}  # halo modules with replicate row padding
 
     # --- root: split the input rows, gather the output rows
     def _root_forward(self, inner):
@@ -611,6 +633,9 @@ class _SpatialSplit:
         self.merged[id(partner)] = merged
         return (rows + rows2 if merged else rows), merged
 
+    def _edge(self, module) -> str:
+        return "replicate" if id(module) in self.replicate else "zeros"
+
     def _zero_outer_rows(self, out: torch.Tensor, rows2: int) -> None:
         """Zero the rows a merged first conv computed beyond the image edge (the second's zero padding)."""
         dim, comm = self.DIM, self.coll.comm
@@ -632,7 +657,7 @@ class _SpatialSplit:
                 return None  # the input (and the cached rows) already carry the halo
             tensors, rebuild = _tensor_args(args, kwargs)
             ext, _ = self._halo_extent(module, rows, first_of, tensors[0].shape[dim])
-            halos = self.coll.halo(tensors, dim, ext, ext)
+            halos = self.coll.halo(tensors, dim, ext, ext, edge=self._edge(module))
             return rebuild([torch.cat([p, t, n], dim=dim) for t, (p, n) in zip(tensors, halos)])
 
         def post(module, args, output):
@@ -665,7 +690,7 @@ class _SpatialSplit:
             ext, merged = self._halo_extent(module, rows, first_of, tensors[0].shape[dim])
             band = tensors[0].shape[dim]
             if band > 2 * rows:
-                finish = self.coll.halo(tensors, dim, ext, ext, wait=False)
+                finish = self.coll.halo(tensors, dim, ext, ext, wait=False, edge=self._edge(module))
                 inner = call(tensors)  # output rows [rows, band - rows): no halo needed
                 halos = finish()
                 top = call([torch.cat([p, t.narrow(dim, 0, 2 * rows)], dim=dim) for t, (p, _) in zip(tensors, halos)])
@@ -673,7 +698,7 @@ class _SpatialSplit:
                             for t, (_, n) in zip(tensors, halos)])
                 out = torch.cat([top, inner, bot], dim=dim)
             else:
-                halos = self.coll.halo(tensors, dim, ext, ext)
+                halos = self.coll.halo(tensors, dim, ext, ext, edge=self._edge(module))
                 out = call([torch.cat([p, t, n], dim=dim) for t, (p, n) in zip(tensors, halos)])
             if merged:
                 self._zero_outer_rows(out, first_of[1])
@@ -693,9 +718,12 @@ class _SpatialSplit:
         return (torch.cat([x.narrow(self.DIM, 0, x.shape[self.DIM] - 1), nxt], dim=self.DIM),) + tuple(args[1:])
 
     # --- the full frame's convolution kernel for a band
-    def _conv_forward(self, module, orig):
+    def _conv_forward(self, module, orig, halo_module=None):
+        """``module``'s conv kernel call; ``halo_module``: the wrapper whose full rows it sees (default: itself)."""
+        key_id = id(module if halo_module is None else halo_module)
+
         def conv_forward(x, weight, bias):
-            full = self.full_rows.get(id(module)) if self.band.sizes is not None else None
+            full = self.full_rows.get(key_id) if self.band.sizes is not None else None
             if full is not None:
                 key = (id(module), tuple(x.shape), full)
                 use = self.onednn.get(key)
@@ -732,6 +760,9 @@ class _SpatialSplit:
 
     def install(self):
         layout = self.layout
+        if any(id(m) in self.replicate for pair in layout.pairs for m in pair):
+            raise ValueError("parallel VAE: a halo module with replicate row padding cannot be one of "
+                             "SpatialLayout.pairs (their merged exchange assumes zero padding)")
         self._patch(layout.root, "forward", self._root_forward)
         rows_of = {id(m): r for m, r in layout.halo}
         firsts, seconds = {}, set()
@@ -752,8 +783,10 @@ class _SpatialSplit:
             for mod in layout.bottom_halo:
                 self.handles.append(mod.register_forward_pre_hook(self._bottom_pre))
             for mod in [m for m, _ in layout.halo] + list(layout.bottom_halo):
-                if isinstance(mod, (torch.nn.Conv2d, torch.nn.Conv3d)):
-                    self._patch(mod, "_conv_forward", lambda orig, mod=mod: self._conv_forward(mod, orig))
+                conv = _conv_of(mod)
+                if conv is not None:
+                    self._patch(conv, "_conv_forward",
+                                lambda orig, conv=conv, mod=mod: self._conv_forward(conv, orig, mod))
             for mod in layout.gather:
                 self.handles.append(mod.register_forward_pre_hook(self._gather_pre))
                 self.handles.append(mod.register_forward_hook(self._gather_post))

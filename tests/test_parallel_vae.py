@@ -158,6 +158,32 @@ def test_unsupported_vae_fails_before_any_collective(monkeypatch):
         ParallelManager(pipe, {"parallel": {"vae_parallel": "off"}})
 
 
+def test_adapter_modes_refuse_before_any_collective():
+    """An adapter's ``modes`` bound vae_parallel: another mode raises ConfigError naming the allowed ones
+    before the runner touches the communicator (a stand-in without collectives here)."""
+    from lite_boost.models.wan_vae import WanVAEAdapter
+    from lite_boost.parallel.vae import check_vae_mode, parallelize_vae
+
+    class ExactOnly(WanVAEAdapter):
+        modes = ("exact",)
+
+    vae = cases.tiny_vae()
+    ad = ExactOnly(vae)
+    for mode in (None, "exact", "off"):
+        check_vae_mode(ad, mode)
+    check_vae_mode(vae_adapter_for(vae), "chunked")  # the default: both modes
+    with pytest.raises(ConfigError, match=r"vae_parallel='chunked' is not supported for AutoencoderKLWan "
+                                          r"\(ExactOnly\); valid vae_parallel here: \['exact', 'off'\]"):
+        check_vae_mode(ad, "chunked")
+
+    class NoComm:
+        size, rank = 2, 0
+
+    with pytest.raises(ConfigError, match="valid vae_parallel here"):
+        parallelize_vae(vae, NoComm(), mode="chunked", adapter=ad)
+    assert "_decode" not in vae.__dict__
+
+
 def test_chunk_replay_single_process():
     """The adapter's chunk runs, stitched in one process: chunk 0 and prefix-covering overlaps are
     bit-identical to the sequential decode / encode, and the frame counts add up."""

@@ -63,6 +63,7 @@ __all__ = [
     "UnsupportedVAEError",
     "VAEAdapter",
     "VAECollectiveError",
+    "check_vae_mode",
     "parallel_vae_state",
     "parallelize_vae",
     "plan_chunks",
@@ -138,6 +139,10 @@ class SpatialLayout:
         downsampling factor, so every band stays aligned at every resolution).
     halo: modules with a symmetric spatial kernel (stride 1, zero padding ``p`` rows each side):
         every tensor argument gets ``p`` neighbour rows each side, the output is trimmed by ``p``.
+        With ``unpad``, a convolution of row stride ``s`` > 1 (kernel ``2p + 1``) fits too
+        when every band is a multiple of ``s`` rows at its input (``unit``): the band plus ``p`` rows
+        each side, unpadded, yields exactly the band's output rows; such modules always take the
+        hook path (``overlap_halo`` does not apply).
     bottom_halo: stride-2 convolutions fed by an explicit (0, 1, 0, 1) zero pad: the padded last
         row is replaced by the next band's first row.
     gather: modules that mix all positions (attention): they see the gathered input and keep their
@@ -172,6 +177,7 @@ class VAEAdapter:
 
     decode_method = "_decode"  # instance method wrapped for decode (called per batch slice)
     encode_method = "_encode"
+    modes = ("exact", "chunked")  # the parallel modes this VAE supports (:func:`check_vae_mode`)
     default_overlap = 1  # chunked-mode warm-up latent frames when the config leaves it None (decode)
     default_encode_overlap = 1  # the same for encode
 
@@ -221,6 +227,14 @@ class VAEAdapter:
 
     def chunk_cost_fn(self, kind: str) -> Callable[[int, int, int], float]:
         return lambda w, s, e: self.chunk_cost(w, s, e, kind)
+
+
+def check_vae_mode(adapter: VAEAdapter, mode: str | None) -> None:
+    """ConfigError when ``mode`` ("exact" / "chunked"; None = "exact") is not among the adapter's ``modes``."""
+    mode = "exact" if mode is None else mode
+    if mode in ("exact", "chunked") and mode not in adapter.modes:
+        raise ConfigError(f"vae_parallel={mode!r} is not supported for {type(adapter.vae).__name__} "
+                          f"({type(adapter).__name__}); valid vae_parallel here: {list(adapter.modes) + ['off']}")
 
 
 # ------------------------------------------------------------------------------------------ planning
@@ -513,6 +527,12 @@ def _overlap_pays(module) -> bool:
     return weight.numel() * weight.element_size() <= _OVERLAP_MAX_WEIGHT_BYTES_CPU
 
 
+def _row_stride(module) -> int:
+    """The row (dim -2) stride of a convolution module (1 for anything without a ``stride``)."""
+    stride = getattr(module, "stride", 1)
+    return stride[-2] if isinstance(stride, (tuple, list)) else int(stride)
+
+
 class _Band:
     """The row split of the network call in progress (None between calls): rank band sizes at root level."""
 
@@ -742,7 +762,9 @@ class _SpatialSplit:
                     seconds.add(id(b))
         try:
             for mod, rows in layout.halo:
-                if self.overlap_halo is True or (self.overlap_halo == "auto" and _overlap_pays(mod)):
+                # a strided convolution's output rows do not line up with its inner rows: hook path only
+                if _row_stride(mod) == 1 and (self.overlap_halo is True or
+                                              (self.overlap_halo == "auto" and _overlap_pays(mod))):
                     self._patch(mod, "forward", lambda orig, mod=mod, rows=rows: self._halo_forward(
                         mod, orig, rows, first_of=firsts.get(id(mod)), second=id(mod) in seconds))
                     continue
@@ -964,6 +986,7 @@ def parallelize_vae(vae, comm: Communicator, *, mode: str | None = "exact", over
     if mode not in VAE_MODES:
         raise ConfigError(f"vae_parallel must be one of {list(VAE_MODES)}, got {mode!r}")
     adapter = adapter or vae_adapter_for(vae)
+    check_vae_mode(adapter, mode)
     unparallelize_vae(vae)
     if mode == "off":
         return None

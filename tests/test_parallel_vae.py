@@ -184,6 +184,24 @@ def test_adapter_modes_refuse_before_any_collective():
     assert "_decode" not in vae.__dict__
 
 
+def test_band_random_draws_the_full_frame():
+    """Exact mode's ``band_random`` modules: a draw of the band's rows (dim -2) inside one draws the whole
+    frame from the same generator state and keeps this rank's rows; other shapes pass through."""
+    from lite_boost.parallel.vae import _Band, _FullFrameRandom
+
+    band = _Band()
+    band.sizes = [3, 2]  # root rows; this resolution has twice as many
+    with _FullFrameRandom(band, rank=1, dim=-2):
+        torch.manual_seed(7)
+        got = torch.randn(torch.Size([4, 5]), generator=None, dtype=torch.float32)
+        got_rand = torch.rand(1, 4, 5)
+        flat = torch.randn(6)
+    torch.manual_seed(7)
+    full, full_rand = torch.randn(10, 5), torch.rand(1, 10, 5)
+    assert torch.equal(got, full[6:]) and torch.equal(got_rand, full_rand[:, 6:])
+    assert flat.shape == (6,)
+
+
 def test_chunk_replay_single_process():
     """The adapter's chunk runs, stitched in one process: chunk 0 and prefix-covering overlaps are
     bit-identical to the sequential decode / encode, and the frame counts add up."""

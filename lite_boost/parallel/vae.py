@@ -158,6 +158,10 @@ class SpatialLayout:
         padding would be), and the second reads them (its causal cache, stored by the model from its
         input, carries them too). Needs ``unpad`` and bands of at least that many rows (else the two
         exchange separately).
+    band_random: modules that draw random tensors shaped like their input's frame (``torch.randn`` /
+        ``torch.rand`` with the rows at dim -2, e.g. a decoder's noise injection): in a split call such
+        a draw of the band's rows draws the whole frame's (the same random stream as one process, given
+        the same generator state on every rank) and keeps this rank's rows.
     """
 
     root: torch.nn.Module
@@ -167,6 +171,7 @@ class SpatialLayout:
     gather: list = field(default_factory=list)  # [module]
     unpad: Callable[[torch.nn.Module], Callable[[], None]] | None = None
     pairs: list = field(default_factory=list)  # [(first, second)]
+    band_random: list = field(default_factory=list)  # [module]
 
 
 class VAEAdapter:
@@ -533,6 +538,28 @@ def _row_stride(module) -> int:
     return stride[-2] if isinstance(stride, (tuple, list)) else int(stride)
 
 
+class _FullFrameRandom(torch.overrides.TorchFunctionMode):
+    """Active while a ``band_random`` module runs on a band: ``torch.randn`` / ``torch.rand`` of a shape
+    with this band's rows at ``dim`` draw the full frame's rows and return this rank's."""
+
+    FUNCS = (torch.randn, torch.rand)
+
+    def __init__(self, band: "_Band", rank: int, dim: int):
+        super().__init__()
+        self.band, self.rank, self.dim = band, rank, dim
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FUNCS and args:
+            size = list(args[0]) if isinstance(args[0], (tuple, list, torch.Size)) else list(args)
+            if len(size) >= -self.dim:
+                rows = size[self.dim]
+                sizes = self.band.sizes_like(rows, self.rank)
+                size[self.dim] = sum(sizes)
+                return func(size, **kwargs).narrow(self.dim, sum(sizes[: self.rank]), rows)
+        return func(*args, **kwargs)
+
+
 class _Band:
     """The row split of the network call in progress (None between calls): rank band sizes at root level."""
 
@@ -745,6 +772,16 @@ class _SpatialSplit:
         rank = self.coll.comm.rank
         return output.narrow(self.DIM, int(sum(sizes[:rank]) * factor), int(sizes[rank] * factor))
 
+    # --- modules that draw frame-shaped random tensors
+    def _band_random_forward(self, orig):
+        def forward(*args, **kwargs):
+            if self.band.sizes is None:
+                return orig(*args, **kwargs)
+            with _FullFrameRandom(self.band, self.coll.comm.rank, self.DIM):
+                return orig(*args, **kwargs)
+
+        return forward
+
     def _patch(self, mod, name: str, make: Callable) -> None:
         """Set ``mod.<name> = make(current)`` on the instance; ``remove`` restores what was there."""
         self.patched.append((mod, name, name in mod.__dict__, mod.__dict__.get(name)))
@@ -779,6 +816,8 @@ class _SpatialSplit:
             for mod in layout.gather:
                 self.handles.append(mod.register_forward_pre_hook(self._gather_pre))
                 self.handles.append(mod.register_forward_hook(self._gather_post))
+            for mod in layout.band_random:
+                self._patch(mod, "forward", self._band_random_forward)
         except BaseException:
             self.remove()
             raise

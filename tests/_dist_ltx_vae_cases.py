@@ -77,7 +77,8 @@ def exact_cases(mesh):
             out[(version, n, h, w)] = _compare(vae, comm, z, x, temb)
         layouts = {k: vae_adapter_for(vae).spatial_layout(k) for k in ("decode", "encode")}
         out[(version, "layout")] = {k: dict(halo=len(lay.halo), pairs=len(lay.pairs), gather=len(lay.gather),
-                                            unit=lay.unit) for k, lay in layouts.items()}
+                                            band_random=len(lay.band_random), unit=lay.unit)
+                                    for k, lay in layouts.items()}
         vae.enable_tiling(**TILES)  # 224 x 160 px: 3 x 2 tiles of 4 x 4 latent rows (the last 1 row high)
         z, x = _inputs(2, 7, 5, seed=77)
         out[(version, "tiled")] = _compare(vae, comm, z, x, temb)

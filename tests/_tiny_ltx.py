@@ -73,6 +73,11 @@ def tiny_ltx_vae(channels: int = 8, seed: int = 0, version: str = "0.9.0"):
                       decoder_inject_noise=(False,) * 4, spatial_compression_ratio=32,
                       temporal_compression_ratio=8)
     vae = AutoencoderKLLTXVideo(**common, **kw)
+    with torch.no_grad():  # diffusers starts the noise scales at zero: make the injected noise count
+        for m in vae.modules():
+            for name in ("per_channel_scale1", "per_channel_scale2"):
+                if getattr(m, name, None) is not None:
+                    getattr(m, name).normal_(0.0, 0.5)
     vae.use_framewise_encoding = False
     vae.use_framewise_decoding = False
     return vae.eval()

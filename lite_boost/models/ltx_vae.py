@@ -21,9 +21,9 @@ Facts it encodes (diffusers 0.42, ``autoencoder_kl_ltx.py``):
   scale / shift of 0.9.1+ decoders (broadcast over the frame), patchify / unpatchify (rows x
   ``patch_size``) are row-local. The VAE has no attention and no GroupNorm (checked: such modules raise).
 * Noise injection (0.9.1 decoders, ``decoder_inject_noise``): a residual block adds an (H, W) noise
-  frame drawn from the RNG per call, which a band cannot draw alone. Those blocks are gathered: every
-  rank runs them on the whole frame (the draws of one process, given the same RNG state on every rank)
-  and keeps its band; they are redundant work.
+  frame drawn with ``torch.randn`` per call, which a band cannot draw alone: such blocks are the
+  layout's ``band_random`` modules (each band draws the whole frame's noise and keeps its rows: the
+  draws of one process, given the same RNG state on every rank).
 * Chunked (temporal) mode is refused: the decoder is not causal (its convolutions read the next frames)
   and decodes every frame in one call; its own framewise decoding is its temporal split.
 """
@@ -81,15 +81,13 @@ class LTXVideoVAEAdapter(VAEAdapter):
         vae = self.vae
         root = vae.decoder if kind == "decode" else vae.encoder
         layout = SpatialLayout(root=root, unpad=lambda mod: _unpad_rows(mod, ()))
-        # residual blocks that draw a noise frame: whole frame on every rank (see the module docstring)
-        noisy = [m for m in root.modules()
-                 if isinstance(m, ltx.LTXVideoResnetBlock3d) and m.per_channel_scale1 is not None]
-        inside = {id(s) for m in noisy for s in m.modules()}
-        layout.gather = noisy
+        # residual blocks that draw a noise frame: each band draws the whole frame's (module docstring)
+        layout.band_random = [m for m in root.modules()
+                              if isinstance(m, ltx.LTXVideoResnetBlock3d) and m.per_channel_scale1 is not None]
         inner = {id(m.conv) for m in root.modules() if isinstance(m, ltx.LTXVideoCausalConv3d)}
         unit = 1
         for name, mod in root.named_modules():
-            if id(mod) in inside or id(mod) in inner:
+            if id(mod) in inner:
                 continue
             if isinstance(mod, ltx.LTXVideoCausalConv3d):
                 conv = mod.conv

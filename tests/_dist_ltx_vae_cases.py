@@ -14,6 +14,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _dist_vae_cases import _diff  # noqa: E402  (max abs difference, inf on a shape mismatch)
+
 # (latent frames, latent rows, latent columns): video = 1 + 8 (n - 1) frames, 32 x rows, 32 x columns pixels
 SHAPES = ((2, 3, 5), (1, 5, 2), (3, 7, 3), (1, 2, 3))  # 2 rows: fewer than 3 ranks, that call runs unsplit
 TILES = dict(tile_sample_min_height=128, tile_sample_min_width=128, tile_sample_stride_height=96,
@@ -25,10 +27,6 @@ def _inputs(n, h, w, seed):
     z = torch.randn(1, 8, n, h, w, generator=g)
     x = torch.rand(1, 3, 1 + 8 * (n - 1), 32 * h, 32 * w, generator=g) * 2 - 1
     return z, x
-
-
-def _diff(a, b):
-    return float("inf") if tuple(a.shape) != tuple(b.shape) else (a - b).abs().max().item()
 
 
 def _calls(vae, z, temb, x):

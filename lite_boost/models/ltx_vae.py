@@ -39,8 +39,8 @@ __all__ = ["LTXVideoVAEAdapter"]
 
 # modules whose math mixes rows beyond a convolution's halo, or convolutions outside LTXVideoCausalConv3d:
 # none in diffusers 0.42's LTX VAE
-_NOT_ROW_LOCAL = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.GroupNorm,
-                  nn.MultiheadAttention, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool2d, nn.AvgPool3d)
+_NOT_ROW_LOCAL = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+                  nn.GroupNorm, nn.MultiheadAttention, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool2d, nn.AvgPool3d)
 
 
 def _is_attention(mod) -> bool:
@@ -116,4 +116,3 @@ class LTXVideoVAEAdapter(VAEAdapter):
                     and (not mod.training or mod.dropout.p == 0)):
                 layout.pairs.append((mod.conv1.conv, mod.conv2.conv))
         return layout
-

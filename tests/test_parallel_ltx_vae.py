@@ -1,8 +1,8 @@
 """Exact parallel VAE for LTX-Video (lite_boost.models.ltx_vae) against the one-process diffusers VAE.
 
 Single process: the adapter's layout for the 0.9.0-, 0.9.1- and 0.9.5-style configs (which convolutions
-exchange halos, the encoder's band unit, the gathered noise-injecting blocks) and the refusals before any
-collective (chunked mode; modules that are not row-local). Multi-process (gloo, 2 and 3 ranks, one
+exchange halos, the encoder's band unit, the noise-injecting blocks that draw the whole frame's noise) and
+the refusals before any collective (chunked mode; modules that are not row-local). Multi-process (gloo, 2 and 3 ranks, one
 process group per world size): decode and encode within 1e-5 of one process for every config, uneven
 bands, a call too small to split, with and without spatial tiling, framewise (temporal-tile) decoding,
 both halo paths, and the T2V / I2V / condition pipelines end to end at 2 ranks.

@@ -38,23 +38,53 @@ def tiny_ltx_transformer(spec: TinyLTXSpec = TinyLTXSpec(), seed: int = 0, dtype
     return (model if dtype == torch.float32 else model.to(dtype)).eval()
 
 
-def tiny_ltx_vae(channels: int = 8, seed: int = 0):
+VAE_VERSIONS = ("0.9.0", "0.9.1", "0.9.5")
+
+
+def tiny_ltx_vae(channels: int = 8, seed: int = 0, version: str = "0.9.0"):
+    """A tiny AutoencoderKLLTXVideo shaped like a released config: "0.9.0" (stride-2 convolution down
+    blocks, no timestep), "0.9.1" (timestep-conditioned decoder with noise injection and residual
+    depth-to-space upsamplers) or "0.9.5" (LTXVideo095DownBlock3D space-to-depth downsamplers, spatial /
+    temporal / spatiotemporal, and a timestep-conditioned decoder without noise). All compress 32 x 8."""
     from diffusers import AutoencoderKLLTXVideo
 
+    if version not in VAE_VERSIONS:
+        raise ValueError(f"version must be one of {list(VAE_VERSIONS)}, got {version!r}")
     torch.manual_seed(seed)
-    vae = AutoencoderKLLTXVideo(in_channels=3, out_channels=3, latent_channels=channels, block_out_channels=(8,) * 4,
-                                decoder_block_out_channels=(8,) * 4, layers_per_block=(1,) * 5,
-                                decoder_layers_per_block=(1,) * 5, spatio_temporal_scaling=(True, True, True, False),
-                                decoder_spatio_temporal_scaling=(True, True, True, False),
-                                decoder_inject_noise=(False,) * 5, upsample_residual=(False,) * 4,
-                                upsample_factor=(1,) * 4, timestep_conditioning=False, patch_size=4, patch_size_t=1,
-                                encoder_causal=True, decoder_causal=False)
+    common = dict(in_channels=3, out_channels=3, latent_channels=channels, patch_size=4, patch_size_t=1,
+                  encoder_causal=True, decoder_causal=False)
+    if version == "0.9.0":
+        kw = dict(block_out_channels=(8,) * 4, decoder_block_out_channels=(8,) * 4, layers_per_block=(1,) * 5,
+                  decoder_layers_per_block=(1,) * 5, spatio_temporal_scaling=(True, True, True, False),
+                  decoder_spatio_temporal_scaling=(True, True, True, False), decoder_inject_noise=(False,) * 5,
+                  upsample_residual=(False,) * 4, upsample_factor=(1,) * 4, timestep_conditioning=False)
+    else:
+        kw = dict(decoder_block_out_channels=(8, 16, 32), decoder_layers_per_block=(1,) * 4,
+                  decoder_spatio_temporal_scaling=(True,) * 3, upsample_residual=(True,) * 3,
+                  upsample_factor=(2,) * 3, timestep_conditioning=True)
+        if version == "0.9.1":
+            kw.update(block_out_channels=(8,) * 4, layers_per_block=(1,) * 5,
+                      spatio_temporal_scaling=(True, True, True, False),
+                      decoder_inject_noise=(True, True, True, False))
+        else:
+            kw.update(block_out_channels=(8, 8, 16, 16, 16), down_block_types=("LTXVideo095DownBlock3D",) * 4,
+                      layers_per_block=(1,) * 5, spatio_temporal_scaling=(True,) * 4,
+                      downsample_type=("spatial", "temporal", "spatiotemporal", "spatiotemporal"),
+                      decoder_inject_noise=(False,) * 4, spatial_compression_ratio=32,
+                      temporal_compression_ratio=8)
+    vae = AutoencoderKLLTXVideo(**common, **kw)
+    with torch.no_grad():  # diffusers starts the noise scales at zero: make the injected noise count
+        for m in vae.modules():
+            for name in ("per_channel_scale1", "per_channel_scale2"):
+                if getattr(m, name, None) is not None:
+                    getattr(m, name).normal_(0.0, 0.5)
     vae.use_framewise_encoding = False
     vae.use_framewise_decoding = False
     return vae.eval()
 
 
-def tiny_ltx_pipeline(kind: str = "t2v", *, spec: TinyLTXSpec | None = None, seed: int = 0, dtype=torch.float32):
+def tiny_ltx_pipeline(kind: str = "t2v", *, spec: TinyLTXSpec | None = None, seed: int = 0, dtype=torch.float32,
+                      vae_version: str = "0.9.0"):
     """A tiny LTX pipeline without text encoder or tokenizer (kind: "t2v", "i2v" or "condition")."""
     if kind not in PIPELINES:
         raise ValueError(f"kind must be one of {list(PIPELINES)}, got {kind!r}")
@@ -64,7 +94,8 @@ def tiny_ltx_pipeline(kind: str = "t2v", *, spec: TinyLTXSpec | None = None, see
 
     spec = spec or TinyLTXSpec()
     pipe = getattr(diffusers, PIPELINES[kind])(
-        scheduler=FlowMatchEulerDiscreteScheduler(), vae=tiny_ltx_vae(spec.channels, seed + 1), text_encoder=None,
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=tiny_ltx_vae(spec.channels, seed + 1, vae_version),
+        text_encoder=None,
         tokenizer=None, transformer=tiny_ltx_transformer(spec, seed + 2, dtype))
     pipe.set_progress_bar_config(disable=True)
     return pipe

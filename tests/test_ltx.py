@@ -311,8 +311,7 @@ def test_family_is_registered_with_its_features():
     assert family_of(tl.tiny_ltx_pipeline("i2v")) is LTX
     features = LTX.features
     assert all(features[f] is None for f in ("dense", "sparse", "sequence_parallel", "cfg_parallel", "step_cache",
-                                             "compile", "quant"))
-    assert "no parallel-VAE adapter" in features["parallel_vae"]
+                                             "compile", "quant", "parallel_vae"))  # exact parallel VAE only
     assert LTX.pipeline.cfg.kind == "batched" and LTX.sharding.text == "replicate"
 
 
@@ -323,5 +322,5 @@ def test_lite_boost_models_lists_the_family(capsys):
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| ltx |"))
     assert "LTXImageToVideoPipeline" in row and "| cross | batched |" in row
-    assert row.count("| yes") == 7 and row.count("| no") == 1  # parallel_vae: no
+    assert row.count("| yes") == 8 and row.count("| no") == 0
 

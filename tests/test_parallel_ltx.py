@@ -66,11 +66,12 @@ def test_parity_2_ranks(name):
     _check(2, name)
 
 
-def test_explicit_parallel_vae_is_refused_before_any_collective():
-    """AutoencoderKLLTXVideo has no parallel-VAE adapter: by default every rank decodes the whole video
-    (t2v_decoded_h3 above), an explicit vae_parallel mode raises on every rank."""
+def test_chunked_parallel_vae_is_refused_before_any_collective():
+    """AutoencoderKLLTXVideo runs the exact parallel VAE (by default: t2v_decoded_h3 above); an explicit
+    vae_parallel='chunked' raises on every rank."""
     for res in _results(2):
-        assert "no parallel-VAE adapter for AutoencoderKLLTXVideo" in res["vae_exact_refused"], res["vae_exact_refused"]
+        msg = res["vae_chunked_refused"]
+        assert "vae_parallel='chunked' is not supported for AutoencoderKLLTXVideo" in msg, msg
 
 
 @pytest.mark.parametrize("name", CASES[3])

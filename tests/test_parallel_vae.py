@@ -158,6 +158,50 @@ def test_unsupported_vae_fails_before_any_collective(monkeypatch):
         ParallelManager(pipe, {"parallel": {"vae_parallel": "off"}})
 
 
+def test_adapter_modes_refuse_before_any_collective():
+    """An adapter's ``modes`` bound vae_parallel: another mode raises ConfigError naming the allowed ones
+    before the runner touches the communicator (a stand-in without collectives here)."""
+    from lite_boost.models.wan_vae import WanVAEAdapter
+    from lite_boost.parallel.vae import check_vae_mode, parallelize_vae
+
+    class ExactOnly(WanVAEAdapter):
+        modes = ("exact",)
+
+    vae = cases.tiny_vae()
+    ad = ExactOnly(vae)
+    for mode in (None, "exact", "off"):
+        check_vae_mode(ad, mode)
+    check_vae_mode(vae_adapter_for(vae), "chunked")  # the default: both modes
+    with pytest.raises(ConfigError, match=r"vae_parallel='chunked' is not supported for AutoencoderKLWan "
+                                          r"\(ExactOnly\); valid vae_parallel here: \['exact', 'off'\]"):
+        check_vae_mode(ad, "chunked")
+
+    class NoComm:
+        size, rank = 2, 0
+
+    with pytest.raises(ConfigError, match="valid vae_parallel here"):
+        parallelize_vae(vae, NoComm(), mode="chunked", adapter=ad)
+    assert "_decode" not in vae.__dict__
+
+
+def test_band_random_draws_the_full_frame():
+    """Exact mode's ``band_random`` modules: a draw of the band's rows (dim -2) inside one draws the whole
+    frame from the same generator state and keeps this rank's rows; other shapes pass through."""
+    from lite_boost.parallel.vae import _Band, _FullFrameRandom
+
+    band = _Band()
+    band.sizes = [3, 2]  # root rows; this resolution has twice as many
+    with _FullFrameRandom(band, rank=1, dim=-2):
+        torch.manual_seed(7)
+        got = torch.randn(torch.Size([4, 5]), generator=None, dtype=torch.float32)
+        got_rand = torch.rand(1, 4, 5)
+        flat = torch.randn(6)
+    torch.manual_seed(7)
+    full, full_rand = torch.randn(10, 5), torch.rand(1, 10, 5)
+    assert torch.equal(got, full[6:]) and torch.equal(got_rand, full_rand[:, 6:])
+    assert flat.shape == (6,)
+
+
 def test_chunk_replay_single_process():
     """The adapter's chunk runs, stitched in one process: chunk 0 and prefix-covering overlaps are
     bit-identical to the sequential decode / encode, and the frame counts add up."""

@@ -20,6 +20,7 @@ from . import wan_vae  # noqa: E402,F401  (registers the Wan parallel-VAE adapte
 from . import qwenimage  # noqa: E402,F401  (registers the Qwen-Image family)
 from . import flux  # noqa: E402,F401  (registers the Flux.1 family)
 from . import ltx  # noqa: E402,F401  (registers the LTX-Video family)
+from . import ltx_vae  # noqa: E402,F401  (registers the LTX-Video parallel-VAE adapter)
 from . import cogvideox  # noqa: E402,F401  (registers the CogVideoX family)
 from . import hunyuan_video  # noqa: E402,F401  (registers the HunyuanVideo and HunyuanVideo-1.5 families)
 from . import hunyuan_video15_vae  # noqa: E402,F401  (registers the HunyuanVideo-1.5 parallel-VAE adapter)

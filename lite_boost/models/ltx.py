@@ -208,7 +208,6 @@ LTX = register_family(ModelFamily(
     pipeline=LTX_PIPELINE_PLAN,
     cache=LTX_CACHE_ADAPTER,
     quant_patterns=("transformer_blocks.*",),
-    unsupported={"parallel_vae": "AutoencoderKLLTXVideo has no parallel-VAE adapter yet; each rank decodes the video"},
     notes="text (T5, 128 tokens) enters through cross-attention, local on every rank; CFG batched (B = 2)",
 ))
 

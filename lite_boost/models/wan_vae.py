@@ -141,14 +141,7 @@ class WanVAEAdapter(VAEAdapter):
     def row_local_tail(self, inp, kind):
         # untiled _decode / _encode: the network calls' outputs are concatenated in time, then
         # quant_conv (1x1) / unpatchify (rows x patch) / clamp: all row-local. Tiled: tiles are blended.
-        vae = self.vae
-        if not vae.use_tiling:
-            return True
-        h, w = inp.shape[-2:]
-        if kind == "decode":
-            ratio = vae.spatial_compression_ratio
-            return not (w > vae.tile_sample_min_width // ratio or h > vae.tile_sample_min_height // ratio)
-        return not (w > vae.tile_sample_min_width or h > vae.tile_sample_min_height)
+        return spatially_untiled(self.vae, inp, kind)
 
     def wrap(self, tensor, kind, *args, **kwargs):
         if kind == "encode":
@@ -211,6 +204,16 @@ class WanVAEAdapter(VAEAdapter):
         return layout
 
 
+def spatially_untiled(vae, inp, kind) -> bool:
+    """True when the VAE's ``_decode`` / ``_encode`` of ``inp`` does not take its spatial-tiling path
+    (diffusers' ``use_tiling`` with ``tile_sample_min_height`` / ``_width`` in pixels)."""
+    if not vae.use_tiling:
+        return True
+    h, w = inp.shape[-2:]
+    ratio = vae.spatial_compression_ratio if kind == "decode" else 1
+    return not (w > vae.tile_sample_min_width // ratio or h > vae.tile_sample_min_height // ratio)
+
+
 def _zero_bias(norm) -> bool:
     bias = getattr(norm, "bias", None)
     if isinstance(bias, torch.Tensor):
@@ -224,9 +227,9 @@ def _unpad_rows(mod, causal_conv):
         old = mod._padding  # (w, w, h, h, 2t, 0): F.pad order
         mod._padding = (old[0], old[1], 0, 0, old[4], old[5])
         return lambda: setattr(mod, "_padding", old)
-    if isinstance(mod, nn.Conv2d):
+    if isinstance(mod, (nn.Conv2d, nn.Conv3d)):
         old = mod.padding
-        mod.padding = (0, old[1])
+        mod.padding = tuple(old[:-2]) + (0, old[-1])
         return lambda: setattr(mod, "padding", old)
     raise NotImplementedError(f"exact parallel VAE: cannot remove the row padding of {type(mod).__name__}")
 

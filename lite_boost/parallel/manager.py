@@ -385,9 +385,11 @@ def check_vae(target, config: BoostConfig, mesh: ParallelMesh | None, *, unsuppo
         logger.info("lite_boost parallel VAE: off for %s (%s); every rank runs the VAE", type(vae).__name__,
                     unsupported)
         return None
-    from .vae import vae_adapter_for
+    from .vae import check_vae_mode, vae_adapter_for
 
-    return vae_adapter_for(vae)
+    adapter = vae_adapter_for(vae)
+    check_vae_mode(adapter, mode)
+    return adapter
 
 
 def _install_vae(vae, adapter, config: BoostConfig, mesh: ParallelMesh) -> None:

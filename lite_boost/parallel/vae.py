@@ -63,6 +63,7 @@ __all__ = [
     "UnsupportedVAEError",
     "VAEAdapter",
     "VAECollectiveError",
+    "check_vae_mode",
     "parallel_vae_state",
     "parallelize_vae",
     "plan_chunks",
@@ -138,6 +139,10 @@ class SpatialLayout:
         downsampling factor, so every band stays aligned at every resolution).
     halo: modules with a symmetric spatial kernel (stride 1, zero padding ``p`` rows each side):
         every tensor argument gets ``p`` neighbour rows each side, the output is trimmed by ``p``.
+        With ``unpad``, a convolution of row stride ``s`` > 1 (kernel ``2p + 1``) fits too
+        when every band is a multiple of ``s`` rows at its input (``unit``): the band plus ``p`` rows
+        each side, unpadded, yields exactly the band's output rows; such modules always take the
+        hook path (``overlap_halo`` does not apply).
     bottom_halo: stride-2 convolutions fed by an explicit (0, 1, 0, 1) zero pad: the padded last
         row is replaced by the next band's first row.
     gather: modules that mix all positions (attention): they see the gathered input and keep their
@@ -156,6 +161,10 @@ class SpatialLayout:
     replicate: halo modules whose row padding replicates the edge row (``F.pad(mode="replicate")``)
         instead of adding zeros: at the image's top and bottom edges their halo rows are copies of the
         band's edge row (with ``unpad`` they then stand in for that padding exactly). Not for ``pairs``.
+    band_random: modules that draw random tensors shaped like their input's frame (``torch.randn`` /
+        ``torch.rand`` with the rows at dim -2, e.g. a decoder's noise injection): in a split call such
+        a draw of the band's rows draws the whole frame's (the same random stream as one process, given
+        the same generator state on every rank) and keeps this rank's rows.
     """
 
     root: torch.nn.Module
@@ -166,6 +175,7 @@ class SpatialLayout:
     unpad: Callable[[torch.nn.Module], Callable[[], None]] | None = None
     pairs: list = field(default_factory=list)  # [(first, second)]
     replicate: list = field(default_factory=list)  # [halo module]
+    band_random: list = field(default_factory=list)  # [module]
 
 
 class VAEAdapter:
@@ -176,6 +186,7 @@ class VAEAdapter:
 
     decode_method = "_decode"  # instance method wrapped for decode (called per batch slice)
     encode_method = "_encode"
+    modes = ("exact", "chunked")  # the parallel modes this VAE supports (:func:`check_vae_mode`)
     default_overlap = 1  # chunked-mode warm-up latent frames when the config leaves it None (decode)
     default_encode_overlap = 1  # the same for encode
 
@@ -225,6 +236,14 @@ class VAEAdapter:
 
     def chunk_cost_fn(self, kind: str) -> Callable[[int, int, int], float]:
         return lambda w, s, e: self.chunk_cost(w, s, e, kind)
+
+
+def check_vae_mode(adapter: VAEAdapter, mode: str | None) -> None:
+    """ConfigError when ``mode`` ("exact" / "chunked"; None = "exact") is not among the adapter's ``modes``."""
+    mode = "exact" if mode is None else mode
+    if mode in ("exact", "chunked") and mode not in adapter.modes:
+        raise ConfigError(f"vae_parallel={mode!r} is not supported for {type(adapter.vae).__name__} "
+                          f"({type(adapter).__name__}); valid vae_parallel here: {list(adapter.modes) + ['off']}")
 
 
 # ------------------------------------------------------------------------------------------ planning
@@ -534,6 +553,34 @@ def _overlap_pays(module) -> bool:
     return weight.numel() * weight.element_size() <= _OVERLAP_MAX_WEIGHT_BYTES_CPU
 
 
+def _row_stride(module) -> int:
+    """The row (dim -2) stride of a convolution module (1 for anything without a ``stride``)."""
+    stride = getattr(module, "stride", 1)
+    return stride[-2] if isinstance(stride, (tuple, list)) else int(stride)
+
+
+class _FullFrameRandom(torch.overrides.TorchFunctionMode):
+    """Active while a ``band_random`` module runs on a band: ``torch.randn`` / ``torch.rand`` of a shape
+    with this band's rows at ``dim`` draw the full frame's rows and return this rank's."""
+
+    FUNCS = (torch.randn, torch.rand)
+
+    def __init__(self, band: "_Band", rank: int, dim: int):
+        super().__init__()
+        self.band, self.rank, self.dim = band, rank, dim
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FUNCS and args:
+            size = list(args[0]) if isinstance(args[0], (tuple, list, torch.Size)) else list(args)
+            if len(size) >= -self.dim:
+                rows = size[self.dim]
+                sizes = self.band.sizes_like(rows, self.rank)
+                size[self.dim] = sum(sizes)
+                return func(size, **kwargs).narrow(self.dim, sum(sizes[: self.rank]), rows)
+        return func(*args, **kwargs)
+
+
 class _Band:
     """The row split of the network call in progress (None between calls): rank band sizes at root level."""
 
@@ -753,6 +800,16 @@ class _SpatialSplit:
         rank = self.coll.comm.rank
         return output.narrow(self.DIM, int(sum(sizes[:rank]) * factor), int(sizes[rank] * factor))
 
+    # --- modules that draw frame-shaped random tensors
+    def _band_random_forward(self, orig):
+        def forward(*args, **kwargs):
+            if self.band.sizes is None:
+                return orig(*args, **kwargs)
+            with _FullFrameRandom(self.band, self.coll.comm.rank, self.DIM):
+                return orig(*args, **kwargs)
+
+        return forward
+
     def _patch(self, mod, name: str, make: Callable) -> None:
         """Set ``mod.<name> = make(current)`` on the instance; ``remove`` restores what was there."""
         self.patched.append((mod, name, name in mod.__dict__, mod.__dict__.get(name)))
@@ -773,7 +830,9 @@ class _SpatialSplit:
                     seconds.add(id(b))
         try:
             for mod, rows in layout.halo:
-                if self.overlap_halo is True or (self.overlap_halo == "auto" and _overlap_pays(mod)):
+                # a strided convolution's output rows do not line up with its inner rows: hook path only
+                if _row_stride(mod) == 1 and (self.overlap_halo is True or
+                                              (self.overlap_halo == "auto" and _overlap_pays(mod))):
                     self._patch(mod, "forward", lambda orig, mod=mod, rows=rows: self._halo_forward(
                         mod, orig, rows, first_of=firsts.get(id(mod)), second=id(mod) in seconds))
                     continue
@@ -790,6 +849,8 @@ class _SpatialSplit:
             for mod in layout.gather:
                 self.handles.append(mod.register_forward_pre_hook(self._gather_pre))
                 self.handles.append(mod.register_forward_hook(self._gather_post))
+            for mod in layout.band_random:
+                self._patch(mod, "forward", self._band_random_forward)
         except BaseException:
             self.remove()
             raise
@@ -997,6 +1058,7 @@ def parallelize_vae(vae, comm: Communicator, *, mode: str | None = "exact", over
     if mode not in VAE_MODES:
         raise ConfigError(f"vae_parallel must be one of {list(VAE_MODES)}, got {mode!r}")
     adapter = adapter or vae_adapter_for(vae)
+    check_vae_mode(adapter, mode)
     unparallelize_vae(vae)
     if mode == "off":
         return None

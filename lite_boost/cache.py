@@ -315,21 +315,27 @@ def check_not_cached(model) -> None:
 def check_cache_support(target, cache_config, *, cfg_degree: int = 1) -> CacheAdapter | None:
     """Raise ConfigError unless ``target``'s family supports ``cache_config.method``; returns its adapter.
 
-    ``cfg_degree`` > 1 (CFG parallelism) additionally needs a method that keeps one state per branch,
-    and, for a pipeline that batches cond and uncond (CfgPlan kind "batched"), one whose decisions do
-    not depend on the activations (each cfg rank holds half of the batch). Runs before anything is modified (and, under ParallelManager, before any collective).
+    ``cfg_degree`` > 1 (CFG parallelism) additionally needs, for a pipeline that makes separate cond and
+    uncond calls, a method that keeps one state per branch (each cfg rank runs one of the two calls);
+    for a pipeline that batches cond and uncond (CfgPlan kind "batched"; one call per step, its batch
+    split over the cfg ranks), a method whose decisions do not depend on the activations (each cfg rank
+    holds half of the batch): a state shared by the branches is then fine, as each rank's one call per
+    step keeps and reuses its half of what the one-process call does (Pyramid Attention Broadcast
+    decides from the timestep and its call counter only). Runs before anything is modified (and, under
+    ParallelManager, before any collective).
     """
     if cache_config is None:
         return None
     spec = CACHE_METHODS[cache_config.method]
-    if cfg_degree > 1 and not spec.per_branch_state:
+    from .registry import family_of, lookup, names_where
+
+    family = family_of(lookup(target))
+    batched = getattr(getattr(getattr(family, "pipeline", None), "cfg", None), "kind", None) == "batched"
+    if cfg_degree > 1 and not spec.per_branch_state and not batched:
         per_branch = sorted(n for n, m in CACHE_METHODS.items() if m.per_branch_state)
         raise _error(f"cache method {spec.name!r} keeps one state shared by the cond and uncond passes, which CFG "
                      f"parallelism runs on different ranks (outputs would differ from one process); with "
                      f"cfg_degree={cfg_degree} use one of {per_branch}")
-    from .registry import family_of, lookup, names_where
-
-    family = family_of(lookup(target))
     adapter = getattr(family, "cache", None)
     if not isinstance(adapter, CacheAdapter):
         with_cache = names_where(lambda f: isinstance(getattr(f, "cache", None), CacheAdapter))
@@ -345,9 +351,8 @@ def check_cache_support(target, cache_config, *, cfg_degree: int = 1) -> CacheAd
         why = adapter.why_not.get(method)
         raise _error(f"cache method {method!r} is not supported for {type(target).__name__}"
                      f"{' (' + why + ')' if why else ''}; supported: {list(adapter.methods)}")
-    cfg_plan = getattr(getattr(family, "pipeline", None), "cfg", None)
-    if cfg_degree > 1 and spec.data_dependent and getattr(cfg_plan, "kind", None) == "batched":
-        fixed = [n for n in adapter.methods if not CACHE_METHODS[n].data_dependent and CACHE_METHODS[n].per_branch_state]
+    if cfg_degree > 1 and spec.data_dependent and batched:
+        fixed = [n for n in adapter.methods if not CACHE_METHODS[n].data_dependent]
         raise _error(f"cache method {method!r} decides from the activations of the whole batch, and "
                      f"{type(target).__name__} batches cond and uncond, which CFG parallelism splits over the cfg "
                      f"ranks (each would decide on its half, unlike one process); with cfg_degree={cfg_degree} use "

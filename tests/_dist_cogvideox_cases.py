@@ -16,6 +16,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _dist_utils import parallel_record  # noqa: E402
 
+# transformer calls and computed self-attentions (a reused attention does not count): count_block_work
+WORK = dict(blocks="transformer_blocks", ffn="ff", attn="attn1")
+
 # name -> variant, heads, (height, width), cfg_degree, config extra, call extra
 # 48 x 80 px x 9 frames = 3 latent frames x 3 x 5 tokens = 45 video tokens (2 x 15 = 30 with patch_size_t 2)
 SPARSE = {"sparse_type": "rf_v2", "block_size": 4, "backend": "gather"}
@@ -31,6 +34,11 @@ CASES = {
     "5b_fbc_h3": ("5b", 3, (48, 80), 1, {"cache": {"method": "first_block_cache", "threshold": 0.5}}, {"steps": 4}),
     "5b_cfg2_h3": ("5b", 3, (48, 80), 2, {}, {}),  # batched CFG split over the cfg group
     "i2v15_cfg2_h3": ("i2v15", 3, (48, 80), 2, {}, {}),  # image latents and ofs with the batch split
+    # a state shared by cond and uncond is fine with batched CFG: each cfg rank reuses its half of the batch
+    "5b_cfg2_pab_h3": ("5b", 3, (48, 80), 2, {"cache": {"method": "pyramid_attention_broadcast",
+                                                          "spatial_attention_block_skip_range": 2,
+                                                          "spatial_attention_timestep_skip_range": (0, 1000)}},
+                       {"steps": 4}),
 }
 
 
@@ -65,6 +73,7 @@ def _config(cfg_degree, extra):
 def run_cases(rank, world_size, init_method, names):
     import _tiny_cogvideox as T
     import lite_boost
+    from lite_boost.cache import count_block_work
     from lite_boost.parallel import ParallelManager, initialize_usp, unparallelize
 
     meshes, out = {}, {}
@@ -85,7 +94,8 @@ def run_cases(rank, world_size, init_method, names):
         ref_pipe = T.tiny_pipeline(spec)
         if extra:
             lite_boost.boost(ref_pipe, dict(extra))
-        ref = ref_pipe(**call()).frames
+        with count_block_work([ref_pipe.transformer], **WORK) as ref_work:
+            ref = ref_pipe(**call()).frames
         mesh = mesh_for(cfg_degree, config)
         pipe = T.tiny_pipeline(spec)
         ParallelManager(pipe, config, mesh=mesh)
@@ -94,9 +104,11 @@ def run_cases(rank, world_size, init_method, names):
             lambda mod, args, res: seen.append((res[0].shape[1], res[1].shape[1])))  # (video, text) tokens
         stats = mesh.sequence.enable_stats()
         stats.reset()
-        got = pipe(**call()).frames
+        with count_block_work([pipe.transformer], **WORK) as work:
+            got = pipe(**call()).frames
         hook.remove()
         mesh.sequence.stats = None
-        out[name] = parallel_record(pipe.transformer, mesh, got, ref, seen, stats)
+        out[name] = {**parallel_record(pipe.transformer, mesh, got, ref, seen, stats),
+                     "work": (work.calls, work.attn_runs), "ref_work": (ref_work.calls, ref_work.attn_runs)}
         unparallelize(pipe)
     return out

@@ -16,6 +16,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _dist_utils import parallel_record  # noqa: E402
 
+# transformer calls and computed self-attentions (a reused attention does not count): count_block_work
+WORK = dict(blocks="transformer_blocks", ffn="ff", attn="attn1")
+
 # name -> kind, heads, (height, width, frames), cfg_degree, extra config, extra call arguments
 # 96 x 160 x 9 px = 2 x 3 x 5 = 30 tokens; 96 x 160 x 17 px = 3 x 3 x 5 = 45; 128 x 256 x 25 px = 4 x 4 x 8 = 128
 SMALL, ODD, SPARSE = (96, 160, 9), (96, 160, 17), (128, 256, 25)
@@ -42,6 +45,11 @@ CASES = {
                                                                "mag_ratios": [1.0, 0.99, 0.98, 0.97]}},
                               {"steps": 4}),
     "t2v_cfg2_no_guidance_h3": ("t2v", 3, SMALL, 2, {}, {"guidance": 1.0}),  # B = 1: nothing split
+    # a state shared by cond and uncond is fine with batched CFG: each cfg rank reuses its half of the batch
+    "t2v_cfg2_pab_h3": ("t2v", 3, SMALL, 2, {"cache": {"method": "pyramid_attention_broadcast",
+                                                         "spatial_attention_block_skip_range": 2,
+                                                         "spatial_attention_timestep_skip_range": (0, 1000)}},
+                        {"steps": 4}),
 }
 
 
@@ -67,6 +75,7 @@ def _keep_diffusers_rope(pipe):
 def run_cases(rank, world_size, init_method, names):
     import _tiny_ltx as tl
     import lite_boost
+    from lite_boost.cache import count_block_work
     from lite_boost.parallel import ParallelManager, initialize_usp, unparallelize
 
     meshes, out = {}, {}
@@ -78,7 +87,8 @@ def run_cases(rank, world_size, init_method, names):
         ref_pipe = tl.tiny_ltx_pipeline(kind, spec=spec)
         if extra_cfg:
             lite_boost.boost(ref_pipe, extra_cfg)
-        ref = ref_pipe(**call()).frames
+        with count_block_work([ref_pipe.transformer], **WORK) as ref_work:
+            ref = ref_pipe(**call()).frames
         if cfg_degree not in meshes:
             meshes[cfg_degree] = initialize_usp(config, init_method=init_method)
         mesh = meshes[cfg_degree]
@@ -92,7 +102,8 @@ def run_cases(rank, world_size, init_method, names):
                                                kw["encoder_hidden_states"].shape[1])), with_kwargs=True)
         stats = mesh.sequence.enable_stats()
         stats.reset()
-        got = pipe(**call()).frames
+        with count_block_work([pipe.transformer], **WORK) as work:
+            got = pipe(**call()).frames
         hook.remove()
         mesh.sequence.stats = None
         cache = pipe.transformer._lite_boost.extras.get("cache")
@@ -101,6 +112,8 @@ def run_cases(rank, world_size, init_method, names):
             **parallel_record(pipe.transformer, mesh, got, ref, seen, stats),
             "decisions": [d.compute for d in cache.decisions] if cache is not None else None,
             "ref_decisions": [d.compute for d in ref_cache.decisions] if ref_cache is not None else None,
+            "work": (work.calls, work.attn_runs),
+            "ref_work": (ref_work.calls, ref_work.attn_runs),
         }
         unparallelize(pipe)
     # the LTX VAE runs exact mode only: an explicit chunked mode is refused on every rank before any collective

@@ -252,25 +252,32 @@ def test_cache_refusals_name_the_reason():
 
 
 def test_parallel_refusals_come_before_any_collective():
+    import torch.distributed as dist
+
     from lite_boost.parallel import ParallelManager
 
     pipe = tl.tiny_ltx_pipeline("t2v")
-    with pytest.raises(ConfigError, match=r"pyramid_attention_broadcast.*cfg_degree=2 use one of"):
-        ParallelManager(pipe, {"parallel": {"cfg_degree": 2}, "cache": "pyramid_attention_broadcast"})
+    with pytest.raises(ConfigError, match=r"sea_cache' is not supported for LTXPipeline"):
+        ParallelManager(pipe, {"parallel": {"cfg_degree": 2}, "cache": "sea_cache"})
     with pytest.raises(ConfigError, match=r"cfg_degree=2 needs a pipeline that runs classifier-free guidance"):
         ParallelManager(pipe.transformer, {"parallel": {"cfg_degree": 2}})
-    assert not lite_boost.api.is_boosted(pipe)
+    assert not lite_boost.api.is_boosted(pipe) and not dist.is_initialized()
 
 
 def test_batched_cfg_parallel_refuses_a_cache_that_decides_from_the_batch():
     """First-Block Cache's statistic spans the whole B = 2 batch; under cfg_degree 2 each cfg rank holds
-    half of it. Refused before any collective; the fixed-schedule methods are offered."""
+    half of it. Refused before any collective; the fixed-schedule methods are offered, Pyramid Attention
+    Broadcast among them (its one state shared by cond and uncond is split with the batch: each cfg
+    rank reuses its half; parity in test_parallel_ltx.py, t2v_cfg2_pab_h3)."""
+    from lite_boost.cache import check_cache_support
+    from lite_boost.config import CacheConfig
     from lite_boost.parallel import ParallelManager
 
     pipe = tl.tiny_ltx_pipeline("t2v")
     with pytest.raises(ConfigError, match=r"'first_block_cache' decides from the activations of the whole batch.*"
-                                          r"use one of \['mag_cache', 'taylorseer_cache'\]"):
+                                          r"use one of \['mag_cache', 'taylorseer_cache', 'pyramid_attention_broadcast'\]"):
         ParallelManager(pipe, {"parallel": {"cfg_degree": 2}, "cache": "first_block_cache"})
+    assert check_cache_support(pipe, CacheConfig("pyramid_attention_broadcast"), cfg_degree=2) is not None
     assert not lite_boost.api.is_boosted(pipe)
 
 

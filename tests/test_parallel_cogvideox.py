@@ -2,7 +2,7 @@
 
 The text (7 tokens) stays replicated, the first block sees this rank's shard of the video tokens and the
 whole text, joint attention exchanges only the video tokens, the pipeline's RoPE (cos, sin) is split with
-them; batched CFG (B = 2) puts one branch on each cfg rank.
+them; batched CFG (B = 2) puts one branch on each cfg rank, with Pyramid Attention Broadcast too.
 """
 
 import math
@@ -52,6 +52,10 @@ def _check(world, name):
             assert c["gather"] == steps, c
         if cfg_degree > 1:
             assert r["cfg_calls"] == {"computed": 0, "split": steps}, r["cfg_calls"]
+        if "pyramid_attention_broadcast" in str(extra):
+            # one call per step (its half of the batch), the same attentions reused as in one process, and
+            # fewer computed than an uncached run (the counted leaf, norm_q, runs once per stream: 2 per attention)
+            assert r["work"] == r["ref_work"] and r["work"][0] == steps and r["work"][1] < 2 * LAYERS * steps, r
         if "sparse" in extra:
             sparsity = extra["sparse"]["sparsity"]
             assert r["sparse_paths"] == (["sparse"] if sparsity else ["dense"]), r

@@ -232,14 +232,8 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
   }
   auto fill_kt = [&](int64_t b, int64_t kvh) {
     const int64_t n = p.kv_lens[b];
-    at::Tensor rows;  // (n, D) of K
-    if (p.kv_layout == "BNSD") {
-      rows = key.select(0, b).select(0, kvh).narrow(0, 0, n);
-    } else {
-      int64_t start = 0;
-      for (int64_t i = 0; i < b; ++i) start += p.kv_lens[i];
-      rows = key.narrow(0, start, n).select(1, kvh);
-    }
+    const at::Tensor rows = at::from_blob(const_cast<T*>(K.at(b, kvh, 0)), {n, d}, {K.tok_stride, 1},
+                                          key.options());  // (n, D) of K, either layout
     kt_buf.narrow(1, 0, n).copy_(rows.t());
   };
   std::atomic<int64_t> next{0};

@@ -765,9 +765,10 @@ class _SpatialSplit:
         return (torch.cat([x.narrow(self.DIM, 0, x.shape[self.DIM] - 1), nxt], dim=self.DIM),) + tuple(args[1:])
 
     # --- the full frame's convolution kernel for a band
-    def _conv_forward(self, module, orig, halo_module=None):
-        """``module``'s conv kernel call; ``halo_module``: the wrapper whose full rows it sees (default: itself)."""
-        key_id = id(module if halo_module is None else halo_module)
+    def _conv_forward(self, module, orig, halo_module):
+        """``module``'s conv kernel call; ``halo_module``: the layout's module it runs in (itself, or a
+        wrapper that pads, then calls it), whose full-frame rows it sees."""
+        key_id = id(halo_module)
 
         def conv_forward(x, weight, bias):
             full = self.full_rows.get(key_id) if self.band.sizes is not None else None

@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _dist_vae_cases import _diff, _run  # noqa: E402  (sequential-vs-parallel max diff; one parallel decode + encode)
+from _dist_vae_cases import _conv_kernels, _diff, _run  # noqa: E402  (conv kernel counts; max diff; one parallel decode + encode)
 
 
 def vae_small():
@@ -89,10 +89,8 @@ def exact_cases(mesh):
                 z, _ = inputs(vae, 5, 54, 1, seed=41)
                 kernels = {}
                 for which in ("seq", "par"):
-                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                        dec = vae.decode(z).sample if which == "seq" else _run(vae, mesh.world, z, x, mode="exact")[0]
-                    ev = {e.key: e.count for e in prof.key_averages()}
-                    kernels[which] = (ev.get("aten::mkldnn_convolution", 0), ev.get("aten::slow_conv3d_forward", 0))
+                    dec, kernels[which] = _conv_kernels(lambda: vae.decode(z).sample if which == "seq"
+                                                        else _run(vae, mesh.world, z, x, mode="exact")[0])
                     ref_d = dec if which == "seq" else ref_d
                 out[(name, "full_frame_kernel")] = dict(dec=_diff(dec, ref_d), kernels=kernels)
             # the VAE's own spatial tiling: 4 x 4 latent tiles (stride 3), 4 * scale pixel tiles (stride 3 * scale)

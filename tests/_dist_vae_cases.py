@@ -38,6 +38,14 @@ def _diff(a, b):
     return (a - b).abs().max().item()
 
 
+def _conv_kernels(call):
+    """(call(), (aten::mkldnn_convolution calls, aten::slow_conv3d_forward calls)) counted with the profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = call()
+    ev = {e.key: e.count for e in prof.key_averages()}
+    return out, (ev.get("aten::mkldnn_convolution", 0), ev.get("aten::slow_conv3d_forward", 0))
+
+
 def _run(vae, comm, z, x, **kw):
     from lite_boost.parallel.vae import parallel_vae_state, parallelize_vae, unparallelize_vae
 
@@ -150,10 +158,8 @@ def exact_cases(mesh):
         ref_d = vae.decode(z).sample
         kernels = {}
         for name in ("seq", "par"):
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                dec = vae.decode(z).sample if name == "seq" else _run(vae, mesh.world, z, None, mode="exact")[0]
-            ev = {e.key: e.count for e in prof.key_averages()}
-            kernels[name] = (ev.get("aten::mkldnn_convolution", 0), ev.get("aten::slow_conv3d_forward", 0))
+            dec, kernels[name] = _conv_kernels(lambda: vae.decode(z).sample if name == "seq"
+                                               else _run(vae, mesh.world, z, None, mode="exact")[0])
         out["full_frame_kernel"] = dict(dec=_diff(dec, ref_d), enc=0.0, ref_abs=ref_d.abs().mean().item(),
                                         kernels=kernels)
         # with the VAE's own spatial tiling (tiles of 32x32 pixels, stride 16: 3 x 3 tiles)

@@ -169,15 +169,21 @@ def test_cpu_kernel_larger_blocks_and_long_runs(lib):
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 
 
+def _kernel_env(monkeypatch, **values):
+    """Set each LITE_BOOST_RF_<NAME> tunable of the CPU kernel to its value, or unset it for None (the default)."""
+    for name, value in values.items():
+        if value is None:
+            monkeypatch.delenv(f"LITE_BOOST_RF_{name}", raising=False)
+        else:
+            monkeypatch.setenv(f"LITE_BOOST_RF_{name}", value)
+
+
 @pytest.mark.parametrize("prefetch", [None, "0", "64", "100000"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_cpu_kernel_k_copy_prefetch_settings(lib, monkeypatch, prefetch, dtype, tol):
     """Scattered blocks (several runs per tile, so K is copied) give the reference result whatever the copy's
     prefetch distance (LITE_BOOST_RF_PREFETCH: default, off, less than one row, more than the block)."""
-    if prefetch is None:
-        monkeypatch.delenv("LITE_BOOST_RF_PREFETCH", raising=False)
-    else:
-        monkeypatch.setenv("LITE_BOOST_RF_PREFETCH", prefetch)
+    _kernel_env(monkeypatch, PREFETCH=prefetch)
     gen = torch.Generator().manual_seed(5)
     q_lens, kv_lens = [96, 40], [300, 200]
     q, k, v = _problem(gen, "TND", q_lens, kv_lens, 2, 2, 64, 64, dtype)  # TND: K rows strided by heads
@@ -233,10 +239,7 @@ def test_cpu_kernel_paired_query_blocks(lib, monkeypatch, pair, dtype, tol, layo
     """Neighbouring query blocks that share most of their blocks run the shared ones as one taller tile (default)
     or each on its own (LITE_BOOST_RF_PAIR=0); both match the reference. Odd block counts leave the last block
     unpaired, partial tail blocks sit inside a pair, GQA heads share K/V."""
-    if pair is None:
-        monkeypatch.delenv("LITE_BOOST_RF_PAIR", raising=False)
-    else:
-        monkeypatch.setenv("LITE_BOOST_RF_PAIR", pair)
+    _kernel_env(monkeypatch, PAIR=pair)
     gen = torch.Generator().manual_seed(8)
     q_lens, kv_lens = ([150, 77], [200, 130]) if layout == "TND" else ([150, 150], [200, 200])
     q, k, v = _problem(gen, layout, q_lens, kv_lens, 2, 2, 64, 64, dtype)
@@ -619,17 +622,14 @@ def test_cpu_kernel_fp32_gemm_paths(lib, monkeypatch, gemm, layout):
     the softmax), on the BLAS sgemm (LITE_BOOST_RF_GEMM=blas), or with oneDNN switched off (brgemm's own BLAS
     fallback): each matches the fp64 reference, with a custom scale, GQA, scattered and consecutive runs,
     partial tail blocks, ragged TND batches, strided query rows and several KV tiles per row."""
-    if gemm == "blas":
-        monkeypatch.setenv("LITE_BOOST_RF_GEMM", "blas")
-    else:
-        monkeypatch.delenv("LITE_BOOST_RF_GEMM", raising=False)
+    _kernel_env(monkeypatch, GEMM="blas" if gemm == "blas" else None)
     gen = torch.Generator().manual_seed(11)
     q_lens, kv_lens = ([150, 77], [260, 130]) if layout == "TND" else ([150, 150], [260, 260])
     q, k, v = _problem(gen, layout, q_lens, kv_lens, 2, 4, 64, 48, torch.float32)
     if layout == "BNSD":  # strided query rows: BSND storage viewed as BNSD
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
     idx, num = _paired_selection(gen, q_lens, kv_lens, 16, 16, 8)
-    monkeypatch.setenv("LITE_BOOST_RF_KV_TILE", "64")  # several tiles per row: the online softmax rescales
+    _kernel_env(monkeypatch, KV_TILE="64")  # several tiles per row: the online softmax rescales
     monkeypatch.setattr(torch.backends.mkldnn, "enabled", gemm != "no-onednn")
     out, lse = _op_call(lib, q, k, v, idx, num, (16, 16), layout, q_lens, kv_lens, scale=0.3)
     ref, ref_lse = _reference(q, k, v, idx, num, (16, 16), layout, q_lens, kv_lens, scale=0.3)
@@ -644,12 +644,7 @@ def test_cpu_kernel_16bit_gemm_paths(lib, monkeypatch, half_gemm, gemm, dtype, t
     """16-bit inputs run MKL's 16-bit GEMMs in place (LITE_BOOST_RF_HALF_GEMM=1; the default on CPUs with AMX)
     or are widened to fp32 tiles for the fp32 GEMMs (=0; the default elsewhere), on oneDNN's brgemm or on BLAS
     (LITE_BOOST_RF_GEMM=blas): each matches the fp64 reference within the input dtype's rounding."""
-    for name, value in (("LITE_BOOST_RF_HALF_GEMM", half_gemm), ("LITE_BOOST_RF_GEMM", gemm)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-    monkeypatch.setenv("LITE_BOOST_RF_KV_TILE", "64")
+    _kernel_env(monkeypatch, HALF_GEMM=half_gemm, GEMM=gemm, KV_TILE="64")
     gen = torch.Generator().manual_seed(12)
     q_lens, kv_lens = ([150, 77], [260, 130]) if layout == "TND" else ([150, 150], [260, 260])
     q, k, v = _problem(gen, layout, q_lens, kv_lens, 2, 2, 64, 48, dtype)

@@ -31,6 +31,21 @@ def tiny_kwargs():
     return pipeline_kwargs
 
 
+# what torchrun sets in a rank's environment; tests that must run as one plain process clear it
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def single_process_env(monkeypatch):
+    """No launcher variables during the test, and no process group left behind by it."""
+    import torch.distributed as dist
+
+    for name in LAUNCHER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    yield
+    assert not dist.is_initialized()
+
+
 @pytest.fixture
 def fresh_dynamo():
     """A clean torch._dynamo state (compile caches) before and after the test, compile warnings muted."""

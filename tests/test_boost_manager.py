@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import lite_boost
 from lite_boost import BoostManager
@@ -12,12 +11,7 @@ from lite_boost.demo import TinyWanSpec, tiny_qwen_image_pipeline, tiny_wan_pipe
 from conftest import pipeline_kwargs
 
 
-@pytest.fixture(autouse=True)
-def _single_process_env(monkeypatch):
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    yield
-    assert not dist.is_initialized()
+pytestmark = pytest.mark.usefixtures("single_process_env")
 
 
 # ------------------------------------------------------------------------------------------ mapping

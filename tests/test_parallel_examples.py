@@ -7,13 +7,14 @@ import sys
 import pytest
 
 from _dist_utils import ROOT
+from conftest import LAUNCHER_ENV
 
 EXAMPLES = os.path.join(ROOT, "examples")
 
 
 @pytest.fixture
 def examples_path(monkeypatch):
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for name in LAUNCHER_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.syspath_prepend(EXAMPLES)
 
@@ -40,7 +41,7 @@ def test_example_rejects_bad_degrees(examples_path, tmp_path, monkeypatch):
 def test_i2v_example_under_torchrun_cfg2(tmp_path):
     out = tmp_path / "i2v.gif"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for name in LAUNCHER_ENV:
         env.pop(name, None)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

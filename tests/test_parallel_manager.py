@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import lite_boost
 from lite_boost.config import ConfigError
@@ -15,12 +14,7 @@ from lite_boost.parallel.comm import Communicator
 from conftest import pipeline_kwargs
 
 
-@pytest.fixture(autouse=True)
-def _single_process_env(monkeypatch):
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    yield
-    assert not dist.is_initialized()
+pytestmark = pytest.mark.usefixtures("single_process_env")
 
 
 def test_world_size_one_equals_boost():

@@ -189,6 +189,15 @@ def env_report() -> str:
 # ----------------------------------------------------------------------------------------------- #
 
 
+def _uint8_for(arr, path):
+    """``arr`` in [0, 1] as uint8, and ``path`` as a Path whose folder exists (what the writers below share)."""
+    import numpy as np
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return (np.clip(arr, 0.0, 1.0) * 255).round().astype(np.uint8), path
+
+
 def write_video(frames, path: str | os.PathLike, fps: int = 16) -> tuple[Path, str]:
     """Write (T, H, W, 3) frames in [0, 1]; mp4 with imageio-ffmpeg, else GIF (Pillow), else .npy.
 
@@ -199,9 +208,7 @@ def write_video(frames, path: str | os.PathLike, fps: int = 16) -> tuple[Path, s
     arr = np.asarray(frames)
     if arr.ndim == 5:
         arr = arr[0]
-    arr8 = (np.clip(arr, 0.0, 1.0) * 255).round().astype(np.uint8)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    arr8, path = _uint8_for(arr, path)
     try:
         import imageio.v2 as imageio
         import imageio_ffmpeg  # noqa: F401
@@ -234,9 +241,7 @@ def write_image(image, path: str | os.PathLike) -> tuple[Path, str]:
     arr = np.asarray(image)
     while arr.ndim > 3:
         arr = arr[0]
-    arr8 = (np.clip(arr, 0.0, 1.0) * 255).round().astype(np.uint8)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    arr8, path = _uint8_for(arr, path)
     try:
         from PIL import Image
 

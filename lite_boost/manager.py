@@ -23,6 +23,8 @@ from .config import BoostConfig, ConfigError
 
 __all__ = ["BoostManager", "load_boost_config"]
 
+_OPTIONS = ("device", "init_method", "mesh", "move_to_device")  # keyword options passed on to ParallelManager
+
 
 def load_boost_config(config: Any) -> BoostConfig:
     """A BoostConfig from a YAML path, a mapping (either schema), a (sub-)config or None."""
@@ -64,10 +66,9 @@ class BoostManager:
         from .api import ParallelManager
         from .parallel.manager import world_size_of
 
-        unknown = sorted(set(options) - {"mesh", "init_method", "device", "move_to_device"})
+        unknown = sorted(set(options) - set(_OPTIONS))
         if unknown:
-            raise TypeError(f"BoostManager got unknown option(s) {unknown}; options: "
-                            "['device', 'init_method', 'mesh', 'move_to_device']")
+            raise TypeError(f"BoostManager got unknown option(s) {unknown}; options: {list(_OPTIONS)}")
         config.parallel.check_world_size(world_size_of(options.get("mesh")))
         return ParallelManager(target, config, **options)
 

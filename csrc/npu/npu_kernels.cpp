@@ -41,7 +41,10 @@ std::tuple<at::Tensor, at::Tensor> rain_fusion_attention_npu(
     at::OptionalIntArrayRef actual_seq_lengths, at::OptionalIntArrayRef actual_seq_lengths_kv,
     const std::optional<at::Tensor>& block_table, c10::string_view q_input_layout, c10::string_view kv_input_layout,
     std::optional<int64_t> num_key_value_heads, int64_t mask_type, std::optional<double> scale_value,
-    int64_t inner_precise, int64_t block_size, bool return_lse) {
+    int64_t inner_precise, int64_t block_size, bool return_lse, c10::string_view precision) {
+  TORCH_CHECK_VALUE(lite_boost::check_precision(precision) == "auto",
+                    "precision='", std::string(precision.data(), precision.size()),
+                    "' is not supported by aclnnRainFusionAttention through this operator; only 'auto'");
   TorchNpuGlue glue;
   return rain_fusion_attention(aclnn_api_from_cann(), glue, /*check=*/true, query, key, value, select_idx,
                                select_num_idx, block_shape, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,

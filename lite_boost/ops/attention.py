@@ -30,6 +30,7 @@ from ..config import ATTENTION_BACKEND_NAMES
 from ._checks import check_qkv_tensors
 from ._errors import AttentionBackendError
 from ._override import BackendOverride, raise_when_run
+from .precision import check_precision, cpu_attention, precision_reason
 
 __all__ = [
     "AttentionBackendError",
@@ -455,7 +456,7 @@ def _check_key_mask(key_mask, k: torch.Tensor, layout: str) -> None:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "BSND",
               scale: float | None = None, backend: str | None = None,
-              key_mask: torch.Tensor | None = None, return_lse: bool = False):
+              key_mask: torch.Tensor | None = None, return_lse: bool = False, precision: str = "auto"):
     """Full (non-causal) scaled dot-product attention, output in the input layout and dtype.
 
     Args:
@@ -472,6 +473,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
             memory-efficient kernels, FA2 / FA3 (``softmax_lse``), Ascend
             ``npu_fused_infer_attention_score(softmax_lse_flag=True)``. Needs at least one key; not
             combined with ``key_mask`` (Ring attention masks its joint keys itself).
+        precision: "auto" (the input dtype, default), "int8" (int8 Q K^T after smoothing K, fp32
+            softmax, 16-bit P V) or "fp8" where the device has it (see :mod:`lite_boost.ops.precision`).
+            On the CPU "int8" runs the C++ block-sparse kernel with every block selected (not with
+            ``key_mask``); ``backend`` applies to "auto" only.
 
     Returns ``out``, or ``(out, lse)`` with ``return_lse=True``.
     """
@@ -484,6 +489,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
         _check_key_mask(key_mask, k, layout)
         if return_lse:
             raise ValueError("attention: key_mask and return_lse=True cannot be combined; pass one of them")
+    if precision != "auto":
+        check_precision(precision)
+        if key_mask is not None:
+            raise ValueError(f"attention: key_mask cannot be combined with precision={precision!r}; pass "
+                             "precision='auto' for masked attention")
+        if q.device.type == "cpu":
+            return cpu_attention(q, k, v, layout, scale, return_lse, precision)
+        raise AttentionBackendError(f"attention: precision={precision!r} cannot run on {q.device.type}: "
+                                    f"{precision_reason(q.device.type, precision)}")
     sig = _signature(q, k, layout, backend, key_mask is not None, return_lse)
     name, error = _decide_traced(*sig) if torch.compiler.is_compiling() else _decide(*sig)
     if error is not None:  # eager: raises now; traced: raises when the compiled graph runs

@@ -42,14 +42,11 @@ std::tuple<at::Tensor, at::Tensor> rain_fusion_attention_npu(
     const std::optional<at::Tensor>& block_table, c10::string_view q_input_layout, c10::string_view kv_input_layout,
     std::optional<int64_t> num_key_value_heads, int64_t mask_type, std::optional<double> scale_value,
     int64_t inner_precise, int64_t block_size, bool return_lse, c10::string_view precision) {
-  TORCH_CHECK_VALUE(lite_boost::check_precision(precision) == "auto",
-                    "precision='", std::string(precision.data(), precision.size()),
-                    "' is not supported by aclnnRainFusionAttention through this operator; only 'auto'");
   TorchNpuGlue glue;
   return rain_fusion_attention(aclnn_api_from_cann(), glue, /*check=*/true, query, key, value, select_idx,
                                select_num_idx, block_shape, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
                                block_table, q_input_layout, kv_input_layout, num_key_value_heads, mask_type,
-                               scale_value, inner_precise, block_size, return_lse);
+                               scale_value, inner_precise, block_size, return_lse, precision);
 }
 
 at::Tensor prompt_flash_attention_npu(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,

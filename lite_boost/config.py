@@ -30,7 +30,7 @@ __all__ = [
 
 # Names accepted for the dense attention backend (kept here so the config can validate without
 # importing the ops package). ``lite_boost.ops.attention`` registers exactly these.
-ATTENTION_BACKEND_NAMES = ("fa3", "fa2", "npu", "sdpa")
+ATTENTION_BACKEND_NAMES = ("fa3", "fa2", "npu", "sdpa", "sage", "sage_fp8", "fa3_fp8", "npu_int8")
 # Block-sparse kernels of ``lite_boost.ops.rain_fusion_attention`` (same reason).
 SPARSE_BACKEND_NAMES = ("npu", "cpp", "flex", "gather", "reference")
 SPARSE_TYPES = (None, "rf_v2")

@@ -76,8 +76,8 @@ def render_cli() -> str:
     subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     helps = {c.dest: c.help for c in subs._choices_actions}
     lines = [GENERATED_NOTE.format(source="lite_boost.cli.build_parser()"), "", "# CLI reference", "",
-             f"`{parser.prog}`: {parser.description}", "",
-             "Installed as the `lite-boost` console script (`python -m lite_boost.cli` runs the same). "
+             f"{parser.description}", "",
+             f"`{parser.prog}` is installed as a console script (`python -m lite_boost.cli` runs the same). "
              "Commands:", ""]
     for name in subs.choices:
         lines.append(f"- [`{parser.prog} {name}`](#{parser.prog}-{name}): {helps.get(name, '')}")

@@ -208,7 +208,7 @@ class ParallelConfig(_ConfigMixin):
         reference's boolean meaning ("chunked" / "off").
     vae_chunk_size: latent frames per chunk in "chunked" mode; None = one cost-balanced chunk per rank.
     vae_overlap: warm-up latent frames before each chunk in "chunked" mode (>= 1); None = the VAE
-        adapter's defaults, chosen from the seam study in the README (Wan: 2 for decode, 2 for encode).
+        adapter's defaults, chosen from the seam study in docs/benchmarks/vae.md (Wan: 2 for decode, 2 for encode).
     vae_gather: "all" (the decoded video on every rank) or "rank0" (only rank 0 gets it, the others
         an empty 0-frame tensor; saves memory) in "chunked" mode; "exact" mode assembles every frame
         on every rank (its per-frame loop needs the whole frame), so it accepts only "all".

@@ -27,6 +27,29 @@ def boost(target, config=None):
     config is a no-op; with another config the previous boost is replaced.
     """
     config = BoostConfig.coerce(config)
+    check_one_process(config)
+    return _boost(target, config)
+
+
+def check_one_process(config: BoostConfig) -> None:
+    """ConfigError with the launch hint when ``config.parallel`` asks for more than one process: ``boost`` runs
+    in the calling process only (``ParallelManager`` under torchrun is what spreads a pipeline over several)."""
+    p = config.parallel
+    need = p.processes_needed()
+    if need <= 1:
+        return
+    asked = ", ".join(f"{n}={getattr(p, n)}" for n in ("cfg_degree", "sequence_degree", "ulysses_degree",
+                                                       "ring_degree", "world_size")
+                      if getattr(p, n) not in (None, 1))
+    raise ConfigError(
+        f"parallel {asked} needs {need} processes, but boost() runs in this one process. Launch {need} processes "
+        f"(torchrun --nproc_per_node {need} your_script.py, or lite-boost generate --nproc {need}) and call "
+        "lite_boost.ParallelManager(pipe, config) in each, or drop the parallel degrees for one process"
+    )
+
+
+def _boost(target, config: BoostConfig):
+    """``boost`` without the one-process check (``ParallelManager`` boosts each rank's copy with this)."""
     fn = lookup(target)
     family = family_of(fn)
     if family is not None:
@@ -191,7 +214,7 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
     move = move_to_device and mesh.device.type != "cpu" and hasattr(target, "to")
     if move and config.quant is not None:
         target.to(mesh.device)  # quantize where the model will run (the FP8 / W8A8 kernels check the device)
-    boost(target, config)
+    _boost(target, config)
     if move and config.quant is None:
         target.to(mesh.device)
     return parallelize(target, models, plans, pplan, config, mesh, vae_adapter=vae_adapter)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -28,6 +29,8 @@ __all__ = [
     "parallel_from_boost_manager",
     "ATTENTION_BACKEND_NAMES",
     "SPARSE_BACKEND_NAMES",
+    "read_yaml",
+    "yaml_path_hint",
 ]
 
 # Names accepted for the dense attention backend (kept here so the config can validate without
@@ -63,6 +66,34 @@ def _check_choice(name: str, value: Any, choices):
         raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
+def read_yaml(path) -> Any:
+    """The data of a YAML file (None for an empty file becomes {}); ConfigError naming the file, and the line and
+    column of a syntax error, in place of PyYAML's parser traceback."""
+    import os
+
+    import yaml
+
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return yaml.safe_load(fh) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config file {path!r}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
+        what = " ".join(str(x) for x in (getattr(exc, "context", None), getattr(exc, "problem", None)) if x)
+        raise ConfigError(f"{path}: {where}: not valid YAML ({what or exc})") from None
+
+
+def yaml_path_hint(path) -> str:
+    """The message for a YAML path given where a config object is expected (``boost``, ``ParallelManager``)."""
+    p = os.fspath(path)
+    return (f"config {p!r} is a path: boost() and ParallelManager() take a BoostConfig, a sub-config, a mapping or None. "
+            f"For a YAML file use lite_boost.BoostManager(pipe, config={p!r}) (it loads the file), or "
+            f"lite_boost.boost(pipe, lite_boost.BoostConfig.from_yaml({p!r}))")
+
+
 class _ConfigMixin:
     """from_dict / to_dict / from_yaml shared by all configs."""
 
@@ -92,11 +123,12 @@ class _ConfigMixin:
 
     @classmethod
     def from_yaml(cls, path: str):
-        import yaml
-
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh) or {}
-        return cls.from_dict(data)
+        """Load from a YAML file; ConfigError naming the file (and the line of a syntax error) on bad input."""
+        data = read_yaml(path)
+        try:
+            return cls.from_dict(data)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
@@ -254,6 +286,12 @@ class ParallelConfig(_ConfigMixin):
             if self.vae_gather != "all":
                 raise ConfigError(f"vae_gather={self.vae_gather!r} applies to vae_parallel='chunked' only, but "
                                   f"vae_parallel is {mode}; valid vae_gather here: ['all']")
+
+    def processes_needed(self) -> int:
+        """The fewest processes the degrees asked for need: cfg_degree x sequence degree (sequence_degree, or
+        ulysses_degree x ring_degree), or ``world_size`` when that is larger; 1 = one process can run this config."""
+        seq = self.sequence_degree or (self.ulysses_degree or 1) * (self.ring_degree or 1)
+        return max(self.cfg_degree * seq, self.world_size or 1)
 
     def resolve(self, world_size: int) -> tuple[int, int]:
         """Return (cfg_degree, sequence_degree) for ``world_size`` or raise listing valid choices."""
@@ -575,6 +613,9 @@ class BoostConfig(_ConfigMixin):
             return cls(offload=config)
         if isinstance(config, Mapping):
             return cls.from_dict(config)
+        if isinstance(config, os.PathLike) or (isinstance(config, str) and (
+                config.lower().endswith((".yaml", ".yml")) or os.path.isfile(config))):
+            raise ConfigError(yaml_path_hint(config))
         raise ConfigError(
             "config must be a BoostConfig, SparseConfig, ParallelConfig, CacheConfig, QuantConfig, OffloadConfig, a "
             "mapping or None, "

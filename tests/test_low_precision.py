@@ -20,8 +20,9 @@ import lite_boost
 from lite_boost.config import AttentionConfig, BoostConfig
 from lite_boost.errors import ConfigError
 from lite_boost.ops import _ext
-from lite_boost.ops.attention import attention
-from lite_boost.ops.precision import cpu_int8_reason, precision_reason
+from lite_boost.ops.attention import AttentionBackendError, attention, select_backend
+from lite_boost.ops.attention import precision_reason
+from lite_boost.ops.precision import cpu_int8_reason
 from lite_boost.ops.rain_fusion import SparseBackendError, available_sparse_backends, rain_fusion_attention
 from lite_boost.ops.sparse import sparse_attention
 
@@ -140,12 +141,13 @@ def test_dense_attention_precision_refusals(int8_cpu):
     q, k, v = _qkv(2, 1, 16, 2, 2, 8)
     with pytest.raises(ValueError, match=r"precision must be one of \['auto', 'int8', 'fp8'\], got 'bf16'"):
         attention(q, k, v, precision="bf16")
-    with pytest.raises(ValueError, match="key_mask cannot be combined with precision='int8'"):
+    with pytest.raises(AttentionBackendError, match="cpu_int8: no key-padding mask support"):
         attention(q, k, v, precision="int8", key_mask=torch.ones(1, 16, dtype=torch.bool))
-    with pytest.raises(ValueError, match="precision='fp8' cannot run on the CPU"):
+    with pytest.raises(AttentionBackendError, match="No fp8 attention kernel is available for cpu"):
         attention(q, k, v, precision="fp8")
-    with pytest.raises(TypeError, match="needs float32, float16 or bfloat16"):
+    with pytest.raises(AttentionBackendError, match="cpu_int8: unsupported dtype float64"):
         attention(q.double(), k.double(), v.double(), precision="int8")
+    assert select_backend(q, k, precision="int8") == "cpu_int8"
 
 
 def test_rain_fusion_int8_backend_choice(int8_cpu):
@@ -164,7 +166,7 @@ def test_rain_fusion_int8_backend_choice(int8_cpu):
                               precision="int8", backend="gather")
     with pytest.raises(ValueError, match=r"precision must be one of \['auto', 'int8', 'fp8'\]"):
         rain_fusion_attention(q, k, v, idx, num, [8, 8], q_input_layout="BNSD", kv_input_layout="BNSD",
-                              precision="INT8")
+                              precision="int4")
 
 
 def test_sparse_attention_int8_same_selection_and_bound(int8_cpu):

@@ -24,20 +24,15 @@ import math
 import torch
 
 from ..config import ATTENTION_PRECISIONS
+from ._lowp import PRECISIONS, check_precision
 
-__all__ = ["PRECISIONS", "DENSE_BLOCK", "check_precision", "precision_reason", "cpu_int8_reason", "cpu_attention"]
+__all__ = ["PRECISIONS", "DENSE_BLOCK", "check_precision", "cpu_precision_reason", "cpu_int8_reason",
+           "cpu_attention"]
 
-PRECISIONS = ATTENTION_PRECISIONS
+assert PRECISIONS == ATTENTION_PRECISIONS
 DENSE_BLOCK = 128  # query / key block of dense int8 attention on the CPU kernel (all blocks selected)
 _INT8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 _INT8_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def check_precision(value, name: str = "precision") -> str:
-    """``value`` if it is one of :data:`PRECISIONS`, else ValueError naming ``name`` and the allowed values."""
-    if not isinstance(value, str) or value not in PRECISIONS:
-        raise ValueError(f"{name} must be one of {list(PRECISIONS)}, got {value!r}")
-    return value
 
 
 @functools.lru_cache(maxsize=1)
@@ -66,16 +61,14 @@ def cpu_int8_reason() -> str | None:
     return None
 
 
-def precision_reason(device_type: str, precision: str) -> str | None:
-    """None when attention at ``precision`` can run on ``device_type``, else why not."""
-    check_precision(precision)
+def cpu_precision_reason(precision: str) -> str | None:
+    """None when the CPU kernels run attention at ``precision``, else why not."""
+    precision = check_precision(precision)
     if precision == "auto":
         return None
-    if device_type == "cpu":
-        if precision == "fp8":
-            return "the CPU kernels have no FP8 attention (no FP8 dot products on this path); use 'int8' or 'auto'"
-        return cpu_int8_reason()
-    return f"no {precision} attention kernel for device type {device_type!r} in this build"
+    if precision == "fp8":
+        return "the CPU kernels have no FP8 attention (no FP8 dot products on this path); use 'int8' or 'auto'"
+    return cpu_int8_reason()
 
 
 def _all_blocks(batch: int, heads: int, sq: int, skv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +86,7 @@ def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str
     fewer heads (GQA). Returns ``out`` in the input layout, or ``(out, lse (B, N, S) fp32)``.
     """
     if precision == "fp8":
-        raise ValueError("precision='fp8' cannot run on the CPU: " + precision_reason("cpu", "fp8"))
+        raise ValueError("precision='fp8' cannot run on the CPU: " + cpu_precision_reason("fp8"))
     if q.dtype not in _INT8_DTYPES:
         raise TypeError(f"precision={precision!r} needs float32, float16 or bfloat16 inputs, got {q.dtype}")
     if not torch.compiler.is_compiling():

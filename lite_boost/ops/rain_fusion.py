@@ -43,7 +43,7 @@ from ._flex import FLEX
 from ._errors import SparseBackendError
 from ._override import BackendOverride
 from ._sparse_kernels import dense_masked_attention, gather_attention
-from .precision import check_precision, precision_reason
+from .precision import check_precision, cpu_precision_reason
 
 __all__ = [
     "SparseBackendError",
@@ -370,7 +370,7 @@ def _reject_cpp(c: _Context) -> str | None:
     if c.needs_grad:
         return "the C++ kernel is inference-only (inputs require grad)"
     if c.precision != "auto":
-        return precision_reason("cpu", c.precision)
+        return cpu_precision_reason(c.precision)
     return _ext.cpu_kernel_reason("rain_fusion_attention")
 
 
@@ -535,9 +535,10 @@ def rain_fusion_attention(query, key, value, select_idx, select_num_idx, block_s
         without its last axis ((T, N1) or (B, N1, S)), -inf for rows that select nothing.
 
     Raises:
-        TypeError / ValueError naming the argument, before any kernel runs, for bad layouts,
-        shapes, dtypes, heads, select arrays (out of range, unsorted, bad padding) or
-        unsupported contract options; SparseBackendError if a forced backend cannot run.
+        ValueError: (or TypeError) naming the argument, before any kernel runs, for bad layouts,
+            shapes, dtypes, heads, select arrays (out of range, unsorted, bad padding) or
+            unsupported contract options.
+        SparseBackendError: if a forced backend cannot run.
     """
     p = _validate(query, key, value, select_idx, select_num_idx, block_shape, attn_mask, actual_seq_lengths,
                   actual_seq_lengths_kv, block_table, q_input_layout, kv_input_layout, num_key_value_heads,

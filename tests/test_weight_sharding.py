@@ -195,3 +195,20 @@ def test_rank_dying_in_weight_all_gather_makes_the_others_raise_naming_it():
         assert procs[1].wait(timeout=30) == 3
     finally:
         stop_workers(procs)
+
+
+def test_cli_flags_reach_the_config_and_bad_degrees_stop_before_torchrun():
+    from lite_boost.cli import _boost_config, _validate_generate, build_parser
+
+    args = build_parser().parse_args(["generate", "--nproc", "4", "--fsdp-degree", "4", "--cfg-degree", "2"])
+    _validate_generate(args)
+    p = _boost_config(args).parallel
+    assert (p.fsdp_degree, p.tp_degree, p.cfg_degree) == (4, 1, 2)
+    args = build_parser().parse_args(["generate", "--nproc", "4", "--tp-degree", "2"])
+    _validate_generate(args)
+    assert _boost_config(args).parallel.tp_degree == 2
+    for flags, match in ((["--tp-degree", "3"], r"valid tp_degree values: \[1, 2, 4\]"),
+                         (["--fsdp-degree", "3"], r"valid fsdp_degree values: \[1, 2, 4\]"),
+                         (["--fsdp-degree", "0"], "--fsdp-degree must be a positive integer")):
+        with pytest.raises(SystemExit, match=match):
+            _validate_generate(build_parser().parse_args(["generate", "--nproc", "4", *flags]))

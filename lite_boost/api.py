@@ -38,8 +38,8 @@ def check_one_process(config: BoostConfig) -> None:
     need = p.processes_needed()
     if need <= 1:
         return
-    asked = ", ".join(f"{n}={getattr(p, n)}" for n in ("cfg_degree", "sequence_degree", "ulysses_degree",
-                                                       "ring_degree", "world_size")
+    asked = ", ".join(f"{n}={getattr(p, n)}" for n in ("cfg_degree", "tp_degree", "fsdp_degree", "sequence_degree",
+                                                       "ulysses_degree", "ring_degree", "world_size")
                       if getattr(p, n) not in (None, 1))
     raise ConfigError(
         f"parallel {asked} needs {need} processes, but boost() runs in this one process. Launch {need} processes "

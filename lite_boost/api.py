@@ -62,6 +62,10 @@ def _boost(target, config: BoostConfig):
         from .quant import check_quant_support
 
         check_quant_support(target, config.quant)  # layers, device, dtype: before anything is modified
+    if config.offload is not None:
+        from .offload import check_offload_support
+
+        check_offload_support(target, config)  # onload device, streams, no other offloading in place
     return fn(target, config)
 
 
@@ -134,7 +138,8 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
             into ``ulysses_degree`` x ``ring_degree`` (default: all sequence ranks on Ulysses);
             ``parallel.timeout_s`` bounds every collective; ``parallel.vae_parallel`` ("exact" by default
             on more than one rank where the VAE has a parallel adapter, "chunked" or "off") spreads
-            ``target.vae``'s decode / encode over all ranks (:mod:`lite_boost.parallel.vae`).
+            ``target.vae``'s decode / encode over all ranks (:mod:`lite_boost.parallel.vae`);
+            ``offload`` keeps the weights on the host and uploads each block to the rank's device as it runs.
         mesh: an existing mesh from ``initialize_usp`` (default: create one from the torchrun env).
         init_method: rendezvous URL when this call initialises torch.distributed (default env://).
         device: override the rank's device (default from LOCAL_RANK).
@@ -191,6 +196,10 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
         from .quant import check_quant_support
 
         check_quant_support(target, config.quant, device=_rank_device(mesh, device, move_to_device))
+    if config.offload is not None:  # onload device, streams, no other offloading in place
+        from .offload import check_offload_support
+
+        check_offload_support(target, config, device=_rank_device(mesh, device, True) or "cpu")
     from .parallel.ring import check_ring_support
 
     check_ring_support(config, mesh=mesh, device=device)  # kernels without lse under ring: before any collective
@@ -198,6 +207,10 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
         mesh = init_mesh(config.parallel, init_method=init_method, device=device)
 
     unparallelize(target)
+    if config.offload is not None:  # the blocks compute on this rank's device; the weights stay on the host
+        if config.offload.onload_device is None:
+            config = config.replace(offload=config.offload.replace(onload_device=str(mesh.device)))
+        move_to_device = False
     move = move_to_device and mesh.device.type != "cpu" and hasattr(target, "to")
     if move and config.quant is not None:
         target.to(mesh.device)  # quantize where the model will run (the FP8 / W8A8 kernels check the device)

@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quant", default=None, choices=["int8_dynamic", "int8_weight_only", "fp8", "w8a8_npu"],
                      help="quantize the transformer blocks' Linear layers (torchao; w8a8_npu: torch_npu): int8_dynamic "
                           "and int8_weight_only on CPU/CUDA, fp8 on CUDA sm89+ (bf16), w8a8_npu on Ascend")
+    gen.add_argument("--offload", action="store_true",
+                     help="keep the transformer and text-encoder weights in host memory and upload each block to "
+                          "the device as it runs (the next one on a side stream on CUDA / NPU); the stock run is "
+                          "skipped on an accelerator (it would need the whole model there)")
     gen.add_argument("--config", default=None, help="YAML BoostConfig (overrides the flags above)")
     gen.add_argument("--nproc", type=int, default=1, help="processes to launch with torchrun (one per device)")
     gen.add_argument("--sequence-degree", type=int, default=None,
@@ -599,10 +603,10 @@ def _boost_config(args):
     cache = CacheConfig.parse(args.cache) if args.cache else None
     quant = QuantConfig(method=args.quant) if getattr(args, "quant", None) else None
     return BoostConfig(attention_backend=args.attention_backend, sparse=sparse, parallel=parallel, cache=cache,
-                       quant=quant)
+                       quant=quant, offload=bool(getattr(args, "offload", False)))
 
 
-def _load_pipeline(args, kind, device, dtype, family_name: str = "wan"):
+def _load_pipeline(args, kind, device, dtype, family_name: str = "wan", offload: bool = False):
     import torch
 
     if args.model is None and family_name == "qwen-image":
@@ -622,7 +626,8 @@ def _load_pipeline(args, kind, device, dtype, family_name: str = "wan"):
         pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=dtype, **absent)
         if getattr(pipe, "vae", None) is not None:
             pipe.vae.to(torch.float32)  # the VAEs run in fp32 (diffusers' Wan examples do)
-    pipe.to(device)
+    if not offload:  # offloaded weights stay on the host; the boost uploads them block by block
+        pipe.to(device)
     return pipe
 
 
@@ -807,6 +812,10 @@ def applied_summary(pipe, config, work=None, device=None, dtype=None) -> list[st
         lines.append("Linear layers: full precision")
     else:
         lines.append("Linear layers: " + "; ".join(q.summary(m) for m, q in quant))
+    # offload
+    from lite_boost.offload import offload_summary
+
+    lines.append(offload_summary(pipe))
     # parallel layout
     pstate = getattr(pipe, "_lite_boost_parallel", None)
     if pstate is None:
@@ -878,7 +887,9 @@ def generate(args, argv: list[str]) -> int:
     dtype = getattr(torch, dtype_name)
     kind = _run_kind(family.name, class_name, args)
     image_out = kind in ("t2i", "i2i")
-    pipe = _load_pipeline(args, kind, device, dtype, family.name)
+    if config.offload is not None and config.offload.onload_device is None:
+        config = config.replace(offload=config.offload.replace(onload_device=str(device)))
+    pipe = _load_pipeline(args, kind, device, dtype, family.name, offload=config.offload is not None)
     pipe.set_progress_bar_config(disable=rank != 0)
     kw = _call_kwargs(args, kind, tiny=args.model is None, family_name=family.name, pipe=pipe)
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -893,7 +904,10 @@ def generate(args, argv: list[str]) -> int:
 
     rows = {}
     stock_frames = None
-    if not args.no_compare:
+    if not args.no_compare and config.offload is not None and device.type != "cpu":
+        say(f"stock run skipped with --offload on {device} (it would need the whole model there); --device cpu "
+            "compares")
+    elif not args.no_compare:
         # Every rank runs the stock pass (no collectives in it): a rank-0-only baseline would leave
         # the other ranks waiting at the first collective for as long as it takes.
         say("stock diffusers run" + (f" (on each of the {world} ranks, one device each)" if world > 1 else "") + " ...")

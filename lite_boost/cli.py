@@ -989,11 +989,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(build_parser(), argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if not getattr(args, "verbose", False):
-        # torchao (imported by diffusers when installed) warns about every CUDA-only extension a CPU build of
-        # torch cannot load, and diffusers 0.42 about torchao 0.18's renamed tensor classes: noise here
-        for name in ("torchao", "diffusers.quantizers.torchao.torchao_quantizer"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+    if getattr(args, "verbose", False):
+        from lite_boost import _quiet
+
+        _quiet.uninstall()  # -v: every dependency notice too (import lite_boost filters a few, narrowly)
     if args.command == "env":
         print(env_report())
         return 0

@@ -444,7 +444,7 @@ class CacheConfig(_ConfigMixin):
 
 @dataclass(frozen=True)
 class QuantConfig(_ConfigMixin):
-    """Quantized Linear layers (see :mod:`lite_boost.quant`).
+    r"""Quantized Linear layers (see :mod:`lite_boost.quant`).
 
     method: "int8_dynamic" (int8 weights x int8 activations, dynamic per token; CPU, CUDA),
         "int8_weight_only" (int8 weights; CPU, CUDA), "fp8" (float8_e4m3 weights x activations,

@@ -259,3 +259,26 @@ def test_step_cache_composes_with_int8_attention(int8_cpu):
     assert len(logs["int8"]) == len(logs["auto"]) == 6
     assert any(not d.compute for d in logs["int8"])  # some steps served from the cache
     assert _cos(outs["int8"], outs["auto"]) > 0.99
+
+
+@torch.no_grad()
+def test_generic_path_int8_self_attention(int8_cpu):
+    """A model boosted on the generic path (diffusers' dispatch_attention_fn, no family code) takes the option too:
+    its self-attention runs the int8 kernel (dense and block-sparse), near the full-precision boost."""
+    import copy
+
+    from _diffusers_tiny import build, inputs
+
+    from lite_boost.adapter.generic import generic_context
+
+    name = "SkyReelsV2Transformer3DModel"
+    stock = build(name)
+    for extra in ({}, {"sparse": {"sparsity": 0.5, "block_size": 16, "backend": "cpp"}}):
+        full = lite_boost.boost(copy.deepcopy(stock), dict(extra))
+        low = lite_boost.boost(copy.deepcopy(stock), dict(extra, attention={"precision": "int8"}))
+        assert generic_context(low).self_attn_fn.precision == "int8"
+        a, b = full(**inputs(name)), low(**inputs(name))
+        a, b = (x.sample if hasattr(x, "sample") else x[0] for x in (a, b))
+        assert _cos(a, b) > 0.999 and not torch.equal(a, b)
+        if extra:
+            assert {e.backend for e in low._lite_boost.extras["sparse"].events} == {"cpp"}

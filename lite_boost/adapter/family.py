@@ -119,6 +119,11 @@ class ModelFamily:
     unsupported: feature -> why not, for features the data would otherwise imply (or to explain a
         missing one in ``lite-boost models``).
     notes: one line for ``lite-boost models`` (e.g. what runs on one rank).
+    reference: the released model the memory planner plans for by default (``lite-boost plan --family``,
+        ``ParallelConfig(layout="auto")``): ``name``, ``transformer`` (config of the first transformer class;
+        omitted = the class defaults), ``text_encoder`` ((transformers class name, config) or omitted),
+        ``shape`` ((num_frames, height, width)), ``vae_scale`` ((t, h, w) down-sampling); see
+        :func:`lite_boost.memory.dims_for_family`.
     """
 
     name: str
@@ -137,6 +142,7 @@ class ModelFamily:
     quant_patterns: tuple[str, ...] = ()
     unsupported: Mapping[str, str] = field(default_factory=dict)
     notes: str = ""
+    reference: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:

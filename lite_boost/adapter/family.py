@@ -119,6 +119,8 @@ class ModelFamily:
     unsupported: feature -> why not, for features the data would otherwise imply (or to explain a
         missing one in ``lite-boost models``).
     notes: one line for ``lite-boost models`` (e.g. what runs on one rank).
+    tensor_parallel: which Linear layers ``tp_degree`` splits (:class:`~lite_boost.parallel.shard.TensorParallelPlan`),
+        or None: diffusers' ``_tp_plan`` of the model class when it has one, else no tensor parallelism.
     reference: the released model the memory planner plans for by default (``lite-boost plan --family``,
         ``ParallelConfig(layout="auto")``): ``name``, ``transformer`` (config of the first transformer class;
         omitted = the class defaults), ``text_encoder`` ((transformers class name, config) or omitted),
@@ -142,6 +144,7 @@ class ModelFamily:
     quant_patterns: tuple[str, ...] = ()
     unsupported: Mapping[str, str] = field(default_factory=dict)
     notes: str = ""
+    tensor_parallel: Any = None
     reference: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):

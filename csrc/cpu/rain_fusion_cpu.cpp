@@ -29,6 +29,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "../common.h"
 #include "blas.h"
 
@@ -135,13 +139,95 @@ bool cpu_has_flag(const std::string& flag) {
   return flags.find(" " + flag + " ") != std::string::npos;
 }
 
+// Why the int8 mode cannot run here ("" when it can): it needs oneDNN's u8 x s8 brgemm, which runs on int8 dot
+// product units (AVX512-VNNI, AVX-VNNI or AMX-INT8).
+std::string int8_reason() {
+  if (!at::hasMKLDNN()) return "PyTorch was built without oneDNN (mkldnn), whose brgemm runs the int8 GEMMs";
+  if (!(cpu_has_flag("avx512_vnni") || cpu_has_flag("avx_vnni") || cpu_has_flag("amx_int8"))) {
+    return "the CPU has no int8 dot-product instructions (avx512_vnni, avx_vnni or amx_int8)";
+  }
+  return "";
+}
+
 struct Scratch {
   std::vector<float> q, k, v, s, acc, m, l;
+  std::vector<uint8_t> q8;        // int8 mode: quantized query rows (u8 = s8 + 128), row stride dp
+  std::vector<float> qs, qm;      // int8 mode: per-row query scale, q . mean(K) of the head (for the lse)
+  std::vector<int32_t> si;        // int8 mode: S tile in int32
+  std::vector<at::BFloat16> p16;  // int8 mode: P tile in bf16
 };
+
+// dst[c] = float(si[c]) * ksc[c] - kcs[c] (dequantized S row of one segment); returns max(dst).
+inline float dequant_row(const int32_t* si, const float* ksc, const float* kcs, float* dst, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t c = 0;
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_set1_ps(mx);
+  for (; c + 16 <= n; c += 16) {
+    const __m512 x = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(si + c)), _mm512_loadu_ps(ksc + c),
+                                     _mm512_loadu_ps(kcs + c));
+    _mm512_storeu_ps(dst + c, x);
+    vmax = _mm512_max_ps(vmax, x);
+  }
+  mx = _mm512_reduce_max_ps(vmax);
+#endif
+  for (; c < n; ++c) {
+    dst[c] = static_cast<float>(si[c]) * ksc[c] - kcs[c];
+    mx = std::max(mx, dst[c]);
+  }
+  return mx;
+}
+
+// The int8 mode's per-(batch, KV head) operands, filled once before that head's work items run and read by
+// every query block. K is smoothed by its mean over the head's tokens (K - mean(K) shifts every score of a query
+// row by the same q . mean(K), so the softmax is unchanged; the lse gets q . mean(K) * scale back), then quantized
+// to int8 with one scale per KV block (max |K - mean| / 127) and stored as K^T in oneDNN's VNNI layout for u8 x s8
+// (dp / 4, kt_ld, 4): the query side is u8 = s8 + 128, compensated per key by 128 * sum_d k8 (kcs, pre-multiplied
+// by the block scale). V is stored in bf16 VNNI layout (pairs of tokens), each KV block padded to an even length.
+struct Int8Head {
+  std::vector<int8_t> kq;         // (dp / 4, kt_ld, 4)
+  std::vector<float> ksc, kcs;    // per key token: block scale, 128 * sum_d k8 * block scale
+  std::vector<float> kmean;       // (dp), zero past d
+  std::vector<at::BFloat16> vq;   // (blocks * bkp / 2, dv, 2)
+  bool has_mean = false;
+};
+
+// One query row -> u8 (s8 + 128, scale amax / 127; columns d..dp at 128); returns (scale, q . km).
+inline std::pair<float, float> quantize_row(const float* qf, const float* km, uint8_t* q8, int64_t d, int64_t dp) {
+  float amax = 0.f, dot = 0.f;
+  int64_t c = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512 vmax = _mm512_setzero_ps(), vdot = _mm512_setzero_ps();
+  for (; c + 16 <= d; c += 16) {
+    const __m512 x = _mm512_loadu_ps(qf + c);
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(x));
+    vdot = _mm512_fmadd_ps(x, _mm512_loadu_ps(km + c), vdot);
+  }
+  amax = _mm512_reduce_max_ps(vmax);
+  dot = _mm512_reduce_add_ps(vdot);
+#endif
+  for (; c < d; ++c) {
+    amax = std::max(amax, std::abs(qf[c]));
+    dot += qf[c] * km[c];
+  }
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  c = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const __m512i off = _mm512_set1_epi32(128);
+  for (; c + 16 <= d; c += 16) {  // round to nearest even (MXCSR default), as std::nearbyint
+    const __m512i qi = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qf + c), vinv)), off);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + c), _mm512_cvtepi32_epi8(qi));
+  }
+#endif
+  for (; c < d; ++c) q8[c] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(qf[c] * inv)) + 128);
+  for (c = d; c < dp; ++c) q8[c] = 128;
+  return {amax / 127.f, dot};
+}
 
 template <typename T>
 void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-             const at::Tensor& select_idx, const at::Tensor& select_num, at::Tensor& out, float* lse) {
+             const at::Tensor& select_idx, const at::Tensor& select_num, at::Tensor& out, float* lse, bool lowp) {
   const int64_t d = query.size(-1), dv = value.size(-1);
   const int64_t bq = p.block_q, bk = p.block_kv, n1 = p.n1, g = p.n1 / p.n2;
   const int64_t m_sel = select_idx.size(2);
@@ -220,6 +306,19 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
     const char* e = std::getenv("LITE_BOOST_RF_GEMM");
     brg = at::hasMKLDNN() && !(e && std::string(e) == "blas");
   }
+  // int8 mode (precision="int8"): S = Q K^T on oneDNN's u8 x s8 brgemm (AVX512-VNNI / AMX-INT8), the softmax in
+  // fp32, P V on the bf16 brgemm (AVX512-BF16 / AMX-BF16) or, on CPUs without bf16 dot products, as the fp32 path
+  // does (LITE_BOOST_RF_INT8_PV=bf16 / fp32 forces either). Per-row query scales (u8 rows made once per work item;
+  // each query row belongs to one item), per-block key scales made once per (batch, KV head).
+  bool pv16 = false;
+  const int64_t dp = (d + 3) / 4 * 4, bkp = (bk + 1) / 2 * 2;
+  if (lowp) {
+    half_mode = false;
+    brg = true;
+    pv16 = cpu_has_flag("avx512_bf16") || cpu_has_flag("amx_bf16");
+    if (const char* e = std::getenv("LITE_BOOST_RF_INT8_PV")) pv16 = std::string(e) == "bf16";
+  }
+  Int8Head ih;
   // brg: K^T of one (batch, KV head) at a time, D x kv_len (row stride kt_ld), refilled before the work items of
   // that head run (items are h-major, so they are one contiguous range): the extra memory is one head's K.
   at::Tensor kt_buf;
@@ -227,15 +326,101 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
   int64_t kt_ld = 0;
   if (brg) {
     kt_ld = std::max<int64_t>(*std::max_element(p.kv_lens.begin(), p.kv_lens.end()), 1);
+  }
+  if (brg && !lowp) {
     kt_buf = at::empty({d, kt_ld}, key.options().dtype(at::kFloat));
     kt_cur = kt_buf.const_data_ptr<float>();
+  }
+  if (lowp) {
+    const int64_t nb_max = (kt_ld + bk - 1) / bk;
+    ih.kq.assign(dp * kt_ld, 0);
+    ih.ksc.resize(kt_ld);
+    ih.kcs.resize(kt_ld);
+    ih.kmean.assign(dp, 0.f);
+    if (pv16) ih.vq.assign(nb_max * bkp * dv, at::BFloat16(0.f));
   }
   auto fill_kt = [&](int64_t b, int64_t kvh) {
     const int64_t n = p.kv_lens[b];
     const at::Tensor rows = at::from_blob(const_cast<T*>(K.at(b, kvh, 0)), {n, d}, {K.tok_stride, 1},
                                           key.options());  // (n, D) of K, either layout
-    kt_buf.narrow(1, 0, n).copy_(rows.t());
+    if (!lowp) {
+      kt_buf.narrow(1, 0, n).copy_(rows.t());
+      return;
+    }
+    if (n == 0) {
+      ih.has_mean = false;
+      return;
+    }
+    // (1) mean over the tokens, per channel: partial sums over token chunks, then their sum
+    const int64_t nb = (n + bk - 1) / bk;
+    const int64_t chunk = 512, nchunk = (n + chunk - 1) / chunk;
+    std::vector<float> part(nchunk * d, 0.f);
+    at::parallel_for(0, nchunk, 1, [&](int64_t c0, int64_t c1) {
+      std::vector<float> row(d);
+      for (int64_t ci = c0; ci < c1; ++ci) {
+        float* acc = part.data() + ci * d;
+        for (int64_t t = ci * chunk; t < std::min(n, (ci + 1) * chunk); ++t) {
+          widen(K.at(b, kvh, t), K.tok_stride, row.data(), d, 1, d);
+          for (int64_t c = 0; c < d; ++c) acc[c] += row[c];
+        }
+      }
+    });
+    for (int64_t c = 0; c < d; ++c) {
+      double sum = 0.0;
+      for (int64_t ci = 0; ci < nchunk; ++ci) sum += part[ci * d + c];
+      ih.kmean[c] = static_cast<float>(sum / static_cast<double>(n));
+    }
+    ih.has_mean = true;
+    // (2) per KV block: scale of K - mean, int8 values into the VNNI K^T layout, per-token compensation; V of the
+    // block into the bf16 VNNI layout (pairs of tokens; an odd block's last pair padded with zero)
+    const float* km = ih.kmean.data();
+    at::parallel_for(0, nb, 1, [&](int64_t j0, int64_t j1) {
+      std::vector<float> rows(bk * d), vrow(dv);
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t t0 = j * bk, len = std::min(bk, n - t0);
+        float amax = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          float* r = rows.data() + t * d;
+          widen(K.at(b, kvh, t0 + t), K.tok_stride, r, d, 1, d);
+          for (int64_t c = 0; c < d; ++c) {
+            r[c] -= km[c];
+            amax = std::max(amax, std::abs(r[c]));
+          }
+        }
+        const float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
+        for (int64_t t = 0; t < len; ++t) {
+          const float* r = rows.data() + t * d;
+          int32_t sum = 0;
+          for (int64_t c4 = 0; c4 < dp; c4 += 4) {
+            int8_t v4[4] = {0, 0, 0, 0};
+            for (int64_t e = 0; e < 4 && c4 + e < d; ++e) {
+              const int32_t qv = std::clamp(static_cast<int32_t>(std::nearbyint(r[c4 + e] * inv)), -127, 127);
+              v4[e] = static_cast<int8_t>(qv);
+              sum += qv;
+            }
+            std::memcpy(ih.kq.data() + (c4 / 4) * kt_ld * 4 + (t0 + t) * 4, v4, 4);
+          }
+          ih.ksc[t0 + t] = scale;
+          ih.kcs[t0 + t] = 128.f * static_cast<float>(sum) * scale;
+        }
+        if (pv16) {
+          at::BFloat16* vb = ih.vq.data() + j * bkp * dv;  // token pair p of this block: vb + p * dv * 2
+          for (int64_t t = 0; t < len; ++t) {
+            widen(V.at(b, kvh, t0 + t), V.tok_stride, vrow.data(), dv, 1, dv);
+            at::BFloat16* dst = vb + (t / 2) * dv * 2 + (t % 2);
+            for (int64_t c = 0; c < dv; ++c) dst[c * 2] = at::BFloat16(vrow[c]);
+          }
+          if (len % 2) {
+            at::BFloat16* dst = vb + (len / 2) * dv * 2 + 1;
+            for (int64_t c = 0; c < dv; ++c) dst[c * 2] = at::BFloat16(0.f);
+          }
+        }
+      }
+    });
   };
+  const int8_t* kq_ptr = lowp ? ih.kq.data() : nullptr;
+  const float* ksc_ptr = lowp ? ih.ksc.data() : nullptr;
+  const float* kcs_ptr = lowp ? ih.kcs.data() : nullptr;
   std::atomic<int64_t> next{0};
   // the work items [lo, hi), handed out dynamically to ATen's threads
   auto run_items = [&](int64_t lo, int64_t hi) {
@@ -251,7 +436,15 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
       std::vector<T> p16, k_buf16;
       std::vector<int64_t> seg_tok(kv_tile / bk + 1), seg_len(kv_tile / bk + 1);
       std::vector<int64_t> both(m_sel), only0(m_sel), only1(m_sel);  // a pair's shared / own selections
-      if (half_mode) {
+      if (lowp) {
+        w.q8.resize(mq * dp);
+        w.qs.resize(mq);
+        w.qm.resize(mq);
+        w.si.resize(mq * kv_tile);
+        if (pv16) w.p16.resize(mq * kv_tile);
+        if (!pv16 && !kF32) w.v.resize(kv_tile * dv);
+        w.q.resize(d);
+      } else if (half_mode) {
         p16.resize(mq * kv_tile);
         k_buf16.resize(kv_tile * d);
       } else {
@@ -293,7 +486,16 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
           const float* k_tile = nullptr;
           const T* k16 = nullptr;
           int64_t ldk = d;
-          if (brg) {
+          if (lowp) {
+            // int8 K^T and (pv16) bf16 V of this head are read in place; fp32 P V on 16-bit inputs: V widened
+            if constexpr (!kF32) {
+              if (!pv16) {
+                for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
+                  widen(V.at(b, kvh, seg_tok[sg]), V.tok_stride, w.v.data() + off * dv, dv, seg_len[sg], dv);
+                }
+              }
+            }
+          } else if (brg) {
             // every segment's K^T columns are read in place below; widened inputs: V into the tile buffer
             if constexpr (!kF32) {
               for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
@@ -325,8 +527,12 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
           float* s = w.s.data();
           // S (rows x kn, row stride kn) = scale * Q K^T
           // brg: S (rows x kn) = Q K^T unscaled, one brgemm per segment
-          const float sc = brg ? scale : 1.f;
-          if (brg) {
+          if (lowp) {
+            for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
+              at::native::cpublas::brgemm(rows, seg_len[sg], dp, dp, kt_ld, kn, false, w.q8.data() + st * dp,
+                                          kq_ptr + seg_tok[sg] * 4, w.si.data() + off, true);
+            }
+          } else if (brg) {
             for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
               at::native::cpublas::brgemm(rows, seg_len[sg], d, ldq, kt_ld, kn, false, q_tile, kt_cur + seg_tok[sg],
                                           s + off, false);
@@ -339,15 +545,42 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
           // online softmax
           for (int64_t r = 0; r < rows; ++r) {
             float* sr = s + r * kn;
-            // the row max of sc * s (sc = 1 where the GEMM applied the scale; validation admits scale > 0 only)
-            const float mx =
-                sc * at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, sr, kn);
+            float mx;
+            float sc = scale;
+            if (lowp) {
+              // dequantize the int32 row (K scale and compensation per key); the query row's scale joins the
+              // softmax scale (a zero query row has scale 0: all scores 0, as they are)
+              float m0 = kNegInf;
+              for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
+                m0 = std::max(m0, dequant_row(w.si.data() + r * kn + off, ksc_ptr + seg_tok[sg], kcs_ptr + seg_tok[sg],
+                                              sr + off, seg_len[sg]));
+              }
+              sc = scale * w.qs[st + r];
+              mx = sc * m0;
+            } else {
+              sc = brg ? scale : 1.f;
+              // the row max of sc * s (sc = 1 where the GEMM applied the scale; validation admits scale > 0 only)
+              mx = sc * at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, sr, kn);
+            }
             const float m_old = mrow[r];
             const float m_new = std::max(m_old, mx);
             // exp(sc * s - m_new) in place and its sum
             Vec vsum(0.f);
             const Vec vm(-m_new), vsc(sc);
             int64_t c = 0;
+            // int8 mode with bf16 P V: P goes straight to its bf16 row (AVX512-BF16), else through the fp32 row
+            at::BFloat16* p16row = lowp && pv16 ? w.p16.data() + r * kn : nullptr;
+            int64_t conv_from = 0;  // P's columns [conv_from, kn) still to be converted to bf16
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+            if (p16row) {
+              for (; c + Vec::size() <= kn; c += Vec::size()) {
+                Vec x = at::vec::fmadd(Vec::loadu(sr + c), vsc, vm).exp_u20();
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16row + c), (__m256i)_mm512_cvtneps_pbh(__m512(x)));
+                vsum = vsum + x;
+              }
+              conv_from = c;
+            }
+#endif
             for (; c + Vec::size() <= kn; c += Vec::size()) {
               Vec x = at::vec::fmadd(Vec::loadu(sr + c), vsc, vm).exp_u20();
               x.store(sr + c);
@@ -358,6 +591,7 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
               sr[c] = std::exp(sr[c] * sc - m_new);
               sum += sr[c];
             }
+            if (p16row) from_float(sr + conv_from, p16row + conv_from, kn - conv_from);  // the rest, while in L1
             const float corr = first ? 0.f : std::exp(m_old - m_new);
             lrow[r] = lrow[r] * corr + sum;
             mrow[r] = m_new;
@@ -367,7 +601,24 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
             }
           }
           // acc (rows x dv) (+)= P V
-          if (in_place) {
+          if (lowp && pv16) {
+            // P in bf16 against the head's bf16 VNNI V: one brgemm per run of consecutive blocks where blocks
+            // have an even token count (the padded layout is then contiguous), else one per block
+            const at::BFloat16* vq = ih.vq.data();
+            for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
+              if (bkp == bk) {
+                at::native::cpublas::brgemm(rows, dv, seg_len[sg], kn, dv, dv, !(first && sg == 0), w.p16.data() + off,
+                                            vq + seg_tok[sg] * dv, acc, true);
+              } else {
+                for (int64_t t = 0; t < seg_len[sg]; t += bk) {
+                  const int64_t blk = (seg_tok[sg] + t) / bk;
+                  at::native::cpublas::brgemm(rows, dv, std::min(bk, seg_len[sg] - t), kn, dv, dv,
+                                              !(first && sg == 0 && t == 0), w.p16.data() + off + t,
+                                              vq + blk * bkp * dv, acc, true);
+                }
+              }
+            }
+          } else if (in_place) {
             if constexpr (!kF32) from_float(s, p16.data(), rows * kn);
             for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
               const float beta = first && sg == 0 ? 0.f : 1.f;
@@ -412,7 +663,14 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
         // query rows (widened once per item where the GEMMs run in fp32 on 16-bit inputs)
         const float* q_all = nullptr;
         int64_t ldq = 0;
-        if constexpr (kF32) {
+        if (lowp) {
+          // u8 query rows (s8 + 128, one scale per row), and q . mean(K) for the lse
+          for (int64_t r = 0; r < rows_all; ++r) {
+            float* qf = w.q.data();
+            widen(Q.at(b, h, tok0 + r), Q.tok_stride, qf, d, 1, d);
+            std::tie(w.qs[r], w.qm[r]) = quantize_row(qf, ih.kmean.data(), w.q8.data() + r * dp, d, dp);
+          }
+        } else if constexpr (kF32) {
           q_all = Q.at(b, h, tok0);
           ldq = Q.tok_stride;
         } else if (!half_mode) {
@@ -478,9 +736,10 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
               from_float(tmp, orow + c0, cn);
             }
           }
-          if (l_ptr) l_ptr[r * lse_tok] = w.m[r] + std::log(w.l[r]);
+          if (l_ptr) l_ptr[r * lse_tok] = w.m[r] + std::log(w.l[r]) + (lowp ? scale * w.qm[r] : 0.f);
         }
       }
+      if (lowp) at::native::cpublas::brgemm_release(true);
     }
   });
   };
@@ -503,7 +762,15 @@ std::tuple<at::Tensor, at::Tensor> rain_fusion_attention_cpu(
     at::OptionalIntArrayRef actual_seq_lengths, at::OptionalIntArrayRef actual_seq_lengths_kv,
     const std::optional<at::Tensor>& block_table, c10::string_view q_input_layout,
     c10::string_view kv_input_layout, std::optional<int64_t> num_key_value_heads, int64_t mask_type,
-    std::optional<double> scale_value, int64_t inner_precise, int64_t block_size, bool return_lse) {
+    std::optional<double> scale_value, int64_t inner_precise, int64_t block_size, bool return_lse,
+    c10::string_view precision) {
+  const std::string prec = check_precision(precision);
+  TORCH_CHECK_VALUE(prec != "fp8", "precision='fp8' is not supported by the CPU kernel (no fp8 dot products on "
+                    "this CPU path); use 'auto' or 'int8'");
+  const bool lowp = prec == "int8";
+  if (lowp) {
+    TORCH_CHECK_VALUE(int8_reason().empty(), "precision='int8' cannot run on this CPU: ", int8_reason());
+  }
   const RainFusionProblem p = validate_rain_fusion(
       query, key, value, select_idx, select_num_idx, block_shape, atten_mask, actual_seq_lengths,
       actual_seq_lengths_kv, block_table, q_input_layout, kv_input_layout, num_key_value_heads, mask_type,
@@ -522,9 +789,9 @@ std::tuple<at::Tensor, at::Tensor> rain_fusion_attention_cpu(
   }
   float* lse_ptr = return_lse ? lse.data_ptr<float>() : nullptr;
   switch (q.scalar_type()) {  // validate_rain_fusion admitted exactly these three
-    case at::kFloat: run_cpu<float>(p, q, k, v, idx, num, out, lse_ptr); break;
-    case at::kBFloat16: run_cpu<at::BFloat16>(p, q, k, v, idx, num, out, lse_ptr); break;
-    case at::kHalf: run_cpu<at::Half>(p, q, k, v, idx, num, out, lse_ptr); break;
+    case at::kFloat: run_cpu<float>(p, q, k, v, idx, num, out, lse_ptr, lowp); break;
+    case at::kBFloat16: run_cpu<at::BFloat16>(p, q, k, v, idx, num, out, lse_ptr, lowp); break;
+    case at::kHalf: run_cpu<at::Half>(p, q, k, v, idx, num, out, lse_ptr, lowp); break;
     default: TORCH_CHECK(false, "unreachable dtype ", q.scalar_type());
   }
   return {out, lse};

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:N, npu, npu:N (default: the accelerator if "
                                                     "present; `lite-boost env` lists them)")
     gen.add_argument("--attention-backend", default=None, choices=["fa3", "fa2", "npu", "sdpa"])
+    gen.add_argument("--attention-precision", default=None, choices=["auto", "int8", "fp8"],
+                     help="arithmetic of the sequence self-attention: auto (the model dtype, default), int8 (int8 "
+                          "Q K^T after smoothing K, 16-bit P V) or fp8 where the device has it")
     gen.add_argument("--sparsity", type=float, default=None,
                      help="block-sparse self-attention sparsity in [0, 1); 0 = dense (default 0 for --model, "
                           "0.8 for the tiny model, whose main job shows block-sparse attention)")
@@ -89,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--rotate-method", default="p2p", choices=["p2p", "allgather"],
                      help="how Ring attention moves K/V: p2p (overlapped with compute, default) or allgather")
     gen.add_argument("--cfg-degree", type=int, default=1, choices=[1, 2])
+    gen.add_argument("--tp-degree", type=int, default=1,
+                     help="tensor parallelism: attention heads and FFN columns split over this many ranks (a mesh "
+                          "axis: nproc = cfg x tp x sequence degree; default 1)")
+    gen.add_argument("--fsdp-degree", type=int, default=1,
+                     help="FSDP2 weight sharding: transformer blocks (and text encoder) split over this many ranks, "
+                          "gathered block by block; overlaps the other axes, must divide --nproc (default 1)")
     gen.add_argument("--vae-parallel", default=None, choices=["exact", "chunked", "off"],
                      help="VAE decode/encode over the ranks (default exact when --nproc > 1)")
     gen.add_argument("--vae-overlap", type=int, default=None,
@@ -343,7 +352,8 @@ def check_processes(config, nproc: int, world_size: int, from_config: str | None
     if need <= have or have > 1:  # several processes: resolve_mesh names the degrees that fit the world size
         return
     p = config.parallel
-    names = ("cfg_degree", "sequence_degree", "ulysses_degree", "ring_degree") + (("world_size",) if from_config else ())
+    names = ("cfg_degree", "tp_degree", "fsdp_degree", "sequence_degree", "ulysses_degree", "ring_degree") + (
+        ("world_size",) if from_config else ())
     given = [(n, getattr(p, n)) for n in names if getattr(p, n) not in (None, 1)]
     if from_config is not None:
         asked = f"parallel {', '.join(f'{n}={v}' for n, v in given)} (from --config {from_config})"
@@ -540,18 +550,21 @@ def _validate_generate(args) -> None:
         bad("--num-frames", args.num_frames, "4k + 1 (1, 5, 9, ..., 81)")
     if args.warmup < 0:
         bad("--warmup", args.warmup, "a non-negative integer")
-    for name in ("sequence_degree", "ulysses_degree", "ring_degree"):
+    for name in ("sequence_degree", "ulysses_degree", "ring_degree", "tp_degree", "fsdp_degree"):
         v = getattr(args, name, None)
         if v is not None and v < 1:
             bad("--" + name.replace("_", "-"), v, "a positive integer")
     world = int(os.environ.get("WORLD_SIZE", "0")) or args.nproc  # under torchrun (no --nproc): the launched world
-    if (getattr(args, "ulysses_degree", None) is not None or getattr(args, "ring_degree", None) is not None) \
+    if (any(getattr(args, n, None) is not None for n in ("ulysses_degree", "ring_degree"))
+            or getattr(args, "tp_degree", 1) > 1 or getattr(args, "fsdp_degree", 1) > 1) \
             and world > 1:  # one process: check_processes gives the launch hint
         from lite_boost.config import ConfigError, ParallelConfig
 
         try:  # degrees that cannot fit --nproc fail here, before torchrun starts anything
             ParallelConfig(sequence_degree=args.sequence_degree, cfg_degree=args.cfg_degree,
-                           ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree).resolve_mesh(world)
+                           ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree,
+                           tp_degree=getattr(args, "tp_degree", 1),
+                           fsdp_degree=getattr(args, "fsdp_degree", 1)).resolve_mesh(world)
         except ConfigError as exc:
             raise SystemExit(f"lite-boost generate: {exc}") from None
     if getattr(args, "vae_overlap", None) is not None:
@@ -594,18 +607,24 @@ def _sparsity(args) -> float:
 def _boost_config(args):
     from lite_boost.config import BoostConfig, CacheConfig, ParallelConfig, QuantConfig, SparseConfig
 
+    precision = getattr(args, "attention_precision", None)
     if args.config:
-        return BoostConfig.from_yaml(args.config)
+        config = BoostConfig.from_yaml(args.config)
+        if precision is not None:  # the flag overrides the file's attention.precision
+            config = config.replace(attention=config.attention.replace(precision=precision))
+        return config
     sparsity = _sparsity(args)
     sparse = SparseConfig(sparsity=sparsity) if sparsity > 0 else None
     parallel = ParallelConfig(sequence_degree=args.sequence_degree, cfg_degree=args.cfg_degree,
                               ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree,
-                              rotate_method=args.rotate_method,
+                              rotate_method=args.rotate_method, tp_degree=getattr(args, "tp_degree", 1),
+                              fsdp_degree=getattr(args, "fsdp_degree", 1),
                               vae_parallel=getattr(args, "vae_parallel", None), vae_overlap=getattr(args, "vae_overlap", None))
     cache = CacheConfig.parse(args.cache) if args.cache else None
     quant = QuantConfig(method=args.quant) if getattr(args, "quant", None) else None
     return BoostConfig(attention_backend=args.attention_backend, sparse=sparse, parallel=parallel, cache=cache,
-                       quant=quant, offload=bool(getattr(args, "offload", False)))
+                       quant=quant, offload=bool(getattr(args, "offload", False)),
+                       attention={"precision": precision or "auto"})
 
 
 def _load_pipeline(args, kind, device, dtype, family_name: str = "wan", offload: bool = False):
@@ -870,6 +889,9 @@ def applied_summary(pipe, config, work=None, device=None, dtype=None) -> list[st
                             list(reasons).index(n) < list(reasons).index(chosen or n))
         lines.append(f"attention backend: {chosen} (first usable of {' -> '.join(reasons)}"
                      f"{'; skipped ' + skipped if skipped else ''})")
+    if config.attention.precision != "auto":
+        lines.append(f"attention precision: {config.attention.precision} (self / joint attention, dense and "
+                     "block-sparse; cross-attention in the model dtype)")
     # RoPE cache
     caches = [st.rope_cache for st in states if st is not None and st.rope_patched]
     if caches:
@@ -915,7 +937,10 @@ def applied_summary(pipe, config, work=None, device=None, dtype=None) -> list[st
         seq = (f"Ulysses sequence degree {mesh.sequence_degree}" if mesh.ring_degree == 1 else
                f"sequence degree {mesh.sequence_degree} (Ulysses {mesh.ulysses_degree} x Ring {mesh.ring_degree}, "
                f"{mesh.rotate_method})")
-        lines.append(f"parallel: {mesh.world_size} processes, {seq} x CFG degree {mesh.cfg_degree} over {mesh.backend}")
+        shard = "".join(f" x {what} degree {d}" for what, d in (("tensor-parallel", mesh.tp_degree),) if d > 1)
+        shard += f", weights FSDP-sharded over {mesh.fsdp_degree} ranks" if mesh.fsdp_degree > 1 else ""
+        lines.append(f"parallel: {mesh.world_size} processes, {seq} x CFG degree {mesh.cfg_degree}{shard} over "
+                     f"{mesh.backend}")
     return lines
 
 

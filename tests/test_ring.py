@@ -194,7 +194,7 @@ def test_cli_flags_reach_the_config_and_bad_degrees_stop_before_torchrun():
 
 
 def test_mesh_layout_ulysses_contiguous_ring_strided():
-    seq, cfg, uly, ring = _mesh_ranks(2, 4, 2)  # 8 ranks: cfg 2 x ring 2 x ulysses 2
+    seq, cfg, uly, ring, _, _ = _mesh_ranks(2, 4, 2)  # 8 ranks: cfg 2 x ring 2 x ulysses 2
     assert seq == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert cfg == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert uly == [[0, 1], [2, 3], [4, 5], [6, 7]]  # inside a node
@@ -347,6 +347,20 @@ def test_sparse_ring_selects_the_one_process_blocks(dist):
     for res in results:  # block-diagonal selection: only the own chunk is computed, the others relayed
         e = res["sparse_ring"]["_empty_steps"]
         assert e["err"] < ATTN_TOL and e["kernel_calls"] == 1 and e["relays"] == world - 1, e
+
+
+@WORLDS
+def test_sparse_ring_int8_within_the_int8_bound(dist):
+    """Ring x block-sparse x precision="int8" (each rank smooths and quantizes its own K/V chunk; the chunks merge
+    through the kernel's shift-corrected lse) stays within the kernel's int8 bound (test_csrc_ops.INT8_REL_L1) of
+    one process at full precision and of one process at int8."""
+    world, results = dist
+    for res in results:
+        c = res["sparse_ring"]["_int8"]
+        if "skip" in c:
+            pytest.skip(c["skip"])
+        assert c["path"] == "sparse" and c["backend"] == "cpp", c
+        assert c["rel_fp"] < 1.3e-2 and c["rel_int8"] < 1.3e-2 and c["one_process_rel"] < 1.3e-2, (world, c)
 
 
 @pytest.mark.parametrize("name", list(cases.WAN_CASES))

@@ -518,6 +518,11 @@ def check_family_options(family, class_name: str, args, config, world_size: int)
                              "conditioning image")
 
 
+def rank_threads(threads: int | None, nproc: int) -> int:
+    """Torch threads per rank of an --nproc run: --threads as given (per process), else the CPU cores shared out."""
+    return threads if threads else max(1, (os.cpu_count() or 1) // max(1, nproc))
+
+
 def _torchrun_command(args, argv: list[str]) -> list[str]:
     rest, skip = [], False
     for i, a in enumerate(argv):
@@ -969,8 +974,11 @@ def generate(args, argv: list[str]) -> int:
                          args.nproc if launching else int(os.environ.get("WORLD_SIZE", "1")))
     if launching:
         cmd = _torchrun_command(args, argv)  # torchrun = python -m torch.distributed.run
-        print("launching:", " ".join(cmd), flush=True)
-        return subprocess.call(cmd)
+        env = dict(os.environ)
+        # the thread budget split over the ranks, said aloud (torchrun would set 1 thread per rank with a warning)
+        env.setdefault("OMP_NUM_THREADS", str(rank_threads(args.threads, args.nproc)))
+        print(f"launching ({args.nproc} processes x {env['OMP_NUM_THREADS']} thread(s)):", " ".join(cmd), flush=True)
+        return subprocess.call(cmd, env=env)
 
     import torch
 
@@ -1058,10 +1066,11 @@ def generate(args, argv: list[str]) -> int:
     print(warmup_line(rows, args.warmup))
     threads = torch.get_num_threads()
     if world > 1:
-        print(f"threads: the stock baseline is NOT a single process: it ran on each of the {world} ranks, one "
-              f"process per rank with {threads} torch thread(s) each, as the boosted run did ({world} processes x "
-              f"{threads} thread(s)); a one-process stock run with the whole {world * threads}-thread budget was not "
-              "run (--threads sets threads per process)")
+        print(f"threads: boosted = {world} processes x {threads} torch thread(s) = {world * threads}; the stock "
+              f"column is NOT a one-process baseline with that whole budget: stock ran on each rank, one process "
+              f"with {threads} thread(s) (one rank's share). For the one-process stock baseline with the same "
+              f"budget run `lite-boost generate --threads {world * threads}` with the same other options and "
+              "compare its stock column")
     else:
         print(f"threads: stock and boosted ran in this one process with the same {threads} torch thread(s)"
               + (f" on {device}" if device.type != "cpu" else ""))

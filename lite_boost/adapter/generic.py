@@ -44,10 +44,10 @@ from ..ops.rope import RopeCache
 from ..parallel.plan import PipelinePlan
 from ..quant import check_uninstall_quant, install_quant, uninstall_quant
 from ..registry import UnsupportedModelError, family_of, lookup, register_fallback
-from .boost import STATE_ATTR, BoostState
+from .boost import STATE_ATTR, BoostState, check_attention_precision
 from .cache import install_cache, uninstall_cache
 from .family import FEATURES
-from .generic_sparse import install_generic_sparse, latent_grid, uninstall_generic_sparse
+from .generic_sparse import SPARSE_CACHE_METHODS, install_generic_sparse, latent_grid, uninstall_generic_sparse
 from .processor import DenseAttention
 
 __all__ = ["GENERIC", "GenericAttention", "GenericFamily", "attention_problem", "boost_generic", "class_problem",
@@ -297,10 +297,15 @@ class GenericFamily:
             raise ConfigError(f"{option} is not supported for {self.model_class} on lite_boost's generic path "
                               f"({self.features[feature]})")
 
-        if config.sparse is not None and config.sparse.sparse_type is not None and not self.supports("sparse"):
+        sparse = config.sparse is not None and config.sparse.sparse_type is not None
+        if sparse and not self.supports("sparse"):
             refuse("sparse (BoostConfig.sparse)", "sparse")
         if config.cache is not None and not self.supports("step_cache"):
             refuse("cache (BoostConfig.cache)", "step_cache")
+        if sparse and config.cache is not None and config.cache.method not in SPARSE_CACHE_METHODS:
+            raise ConfigError(f"cache method {config.cache.method!r} with sparse (BoostConfig.sparse) is not supported for "
+                              f"{self.model_class} on the generic path (it skips single attention layers, which "
+                              f"would shift the grid calls' layer order); with sparse use one of {list(SPARSE_CACHE_METHODS)}")
         if config.quant is not None and config.quant.include is None and not self.supports("quant"):
             refuse("quant (BoostConfig.quant) without include patterns", "quant")
 
@@ -458,6 +463,7 @@ CONTEXT_KEY = "generic"
 
 def _install_backend(model, state: BoostState) -> None:
     ctx = GenericAttention(type(model).__name__, state.config.attention_backend)
+    ctx.self_attn_fn.precision = state.config.attention.precision  # self-attention only, as on the family path
     name = ctx.register()
     originals: dict[int, tuple[object, object]] = {}
     for _, module in _attention_modules(model):
@@ -496,6 +502,7 @@ def boost_generic(model, config: BoostConfig | None = None):
     config = BoostConfig.coerce(config)
     family = generic_family(model)
     family.check_config(config, model)
+    check_attention_precision(config, model)
     state = getattr(model, STATE_ATTR, None)
     if state is not None:
         if state.config == config and isinstance(state.family, GenericFamily):

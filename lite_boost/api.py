@@ -94,7 +94,7 @@ def is_boosted(target) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ parallel
-def _layout(target, fn, family, sequence_degree: int):
+def _layout(target, fn, family, sequence_degree: int, config=None):
     """(pipeline plan or None, transformers, their sharding plans); PlanError when a plan is missing."""
     from .parallel.plan import PlanError, ShardingPlan
 
@@ -104,8 +104,18 @@ def _layout(target, fn, family, sequence_degree: int):
         raise PlanError(f"{type(target).__name__} has none of {list(pplan.transformers)} set")
     plans = []
     for model in models:
-        plan = getattr(family_of(model), "sharding", None)
-        if sequence_degree > 1 and not isinstance(plan, ShardingPlan):
+        model_family = family_of(model)
+        plan = getattr(model_family, "sharding", None)
+        if sequence_degree > 1 and getattr(model_family, "name", None) == "generic" and plan is None:
+            from .adapter.generic_parallel import NO_PLAN_HELP
+
+            raise PlanError(
+                f"sequence_degree={sequence_degree}: {type(model).__name__} runs on lite_boost's generic path and "
+                f"carries no _cp_plan (diffusers' context-parallel plan saying where its sequence is split and "
+                f"gathered), so lite_boost cannot split it. {NO_PLAN_HELP}")
+        if sequence_degree > 1 and callable(getattr(plan, "install", None)):
+            plan.check(model, config)  # a diffusers _cp_plan on the generic path: fits the instance / config
+        elif sequence_degree > 1 and not isinstance(plan, ShardingPlan):
             with_plans = names_where(lambda f: isinstance(f.sharding, ShardingPlan))
             raise PlanError(
                 f"{type(model).__name__} has no sequence-parallel sharding plan; models with a plan: {with_plans}. "
@@ -311,7 +321,7 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
             f"{[f.name for f in families() if f.joint == 'cross' and f.features.get('sparse') is None]}). Use "
             "ulysses_degree for the sequence ranks, or sparse without ring_degree"
         )
-    pplan, models, plans = _layout(target, fn, family, seq_degree)
+    pplan, models, plans = _layout(target, fn, family, seq_degree, config)
     if family is not None:
         family.check_config(config)
     cfg_plan = pplan.cfg_for(target) if pplan is not None else None

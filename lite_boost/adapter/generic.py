@@ -47,6 +47,7 @@ from ..registry import UnsupportedModelError, family_of, lookup, register_fallba
 from .boost import STATE_ATTR, BoostState, check_attention_precision
 from .cache import install_cache, uninstall_cache
 from .family import FEATURES
+from .generic_parallel import cp_plan_of, key_padding_mask as _key_padding_mask, sequence_plan
 from .generic_sparse import SPARSE_CACHE_METHODS, install_generic_sparse, latent_grid, uninstall_generic_sparse
 from .processor import DenseAttention
 
@@ -332,11 +333,13 @@ def generic_family(model) -> GenericFamily:
     methods = tuple(m for m in CACHE_METHODS if m not in problems)
     cache = CacheAdapter(methods=methods, why_not=problems) if methods else None
     patch = _patch_size(getattr(model, "config", None))
+    splan = sequence_plan(model)
     unsupported = {
-        "sequence_parallel": "not on the generic path yet (no lite_boost sharding plan)",
         "cfg_parallel": "no pipeline plan on the generic path",
         "parallel_vae": "no parallel-VAE adapter on the generic path",
     }
+    if splan is None:
+        unsupported["sequence_parallel"] = f"{type(model).__name__} carries no _cp_plan (diffusers' context-parallel plan)"
     if patch is None:
         unsupported["sparse"] = "no patch size in the model config: the latent token grid is unknown"
     patterns = repeated_block_patterns(model)
@@ -347,7 +350,8 @@ def generic_family(model) -> GenericFamily:
     notes = (f"{len(others)} attention module(s) not through the dispatcher stay stock: {', '.join(others[:3])}"
              if others else "")
     return GenericFamily(model_class=type(model).__name__, dispatch_sites=len(ours), other_sites=tuple(others),
-                         quant_patterns=patterns, patch=patch, cache=cache, unsupported=unsupported, notes=notes)
+                         quant_patterns=patterns, patch=patch, cache=cache, unsupported=unsupported, notes=notes,
+                         sharding=splan)
 
 
 def class_family(cls: type, pipeline_class: str | None = None) -> GenericFamily:
@@ -365,10 +369,11 @@ def class_family(cls: type, pipeline_class: str | None = None) -> GenericFamily:
     except (TypeError, ValueError):
         params = {}
     unsupported = {
-        "sequence_parallel": "not on the generic path yet (no lite_boost sharding plan)",
         "cfg_parallel": "no pipeline plan on the generic path",
         "parallel_vae": "no parallel-VAE adapter on the generic path",
     }
+    if not cp_plan_of(cls):
+        unsupported["sequence_parallel"] = f"{cls.__name__} carries no _cp_plan (diffusers' context-parallel plan)"
     if "patch_size" not in params:
         unsupported["sparse"] = "no patch size in the model config: the latent token grid is unknown"
     if not getattr(cls, "_repeated_blocks", None):
@@ -398,19 +403,6 @@ def _native():
     return _AttentionBackendRegistry._backends[AttentionBackendName.NATIVE]
 
 
-def _key_padding_mask(attn_mask, q: torch.Tensor, k: torch.Tensor):
-    """A boolean mask that only pads keys ((B, S_k), (B, 1, S_k), (B, 1, 1, S_k)) as (B, S_k) bool, else None."""
-    if attn_mask is None or attn_mask.dtype != torch.bool:
-        return None
-    b, s_k = q.shape[0], k.shape[1]
-    m = attn_mask
-    if m.dim() == 2 and m.shape == (b, s_k):
-        return m
-    if m.dim() in (3, 4) and m.shape[-1] == s_k and all(d == 1 for d in m.shape[1:-1]) and m.shape[0] in (1, b):
-        return m.reshape(m.shape[0], s_k).expand(b, s_k)
-    return None
-
-
 class GenericAttention:
     """The per-model attention context: the function diffusers' dispatcher calls for one boosted model.
 
@@ -436,6 +428,9 @@ class GenericAttention:
 
     def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                  enable_gqa=False, _parallel_config=None):
+        sp = self.extras.get("sequence_parallel")
+        if sp is not None and _parallel_config is sp.marker:  # a call over the split sequence (a _cp_plan)
+            return sp(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         native = (_parallel_config is not None or dropout_p or is_causal
                   or query.dim() != 4 or query.shape[-1] != key.shape[-1] or key.shape[-1] != value.shape[-1]
                   or (key.shape[2] != query.shape[2] and query.shape[2] % key.shape[2]))

@@ -467,9 +467,12 @@ def parallelize(target, models, plans, pipeline_plan: PipelinePlan | None, confi
     for model, plan, tp_plan in zip(models, plans, tp_plans):
         state = _ModelParallel(mesh=mesh)
         if mesh.sequence_degree > 1:
-            state.hooks = SequenceParallelHooks(model, plan, mesh.sequence, _sequence_attention(mesh)).apply()
+            if callable(getattr(plan, "install", None)):  # a plan that executes itself (a diffusers _cp_plan)
+                state.hooks = plan.install(model, mesh)
+            else:
+                state.hooks = SequenceParallelHooks(model, plan, mesh.sequence, _sequence_attention(mesh)).apply()
             runtime = model._lite_boost.extras.get("cache")
-            if runtime is not None:  # data-dependent cache decisions: one statistic per sequence group
+            if runtime is not None and state.hooks.info is not None:  # data-dependent cache decisions: one statistic per sequence group
                 from .cache import make_cache_rank_consistent
 
                 seq_dim = next((s.dim for s in plan.split_inputs if s.defines_length and s.ndim is None), 1)

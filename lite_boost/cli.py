@@ -158,7 +158,7 @@ def installed_classes_report() -> str:
     lines = [f"## installed diffusers transformer classes ({len(classes)})", "",
              "| class | path | " + " | ".join(FEATURES) + " | not supported |", "|---" * (3 + len(FEATURES)) + "|"]
     counts = {"family": 0, "generic": 0, "no": 0}
-    always_off = {"sequence_parallel", "cfg_parallel", "parallel_vae"}  # the generic path has none of them yet
+    always_off = {"cfg_parallel", "parallel_vae"}  # the generic path has none of them yet
     for name, cls in classes.items():
         fn = SUPPORTED_MODELS.get(name)
         fam = family_of(fn) if fn is not None else None
@@ -179,7 +179,8 @@ def installed_classes_report() -> str:
     lines += ["", f"{counts['family']} by a named family, {counts['generic']} on the generic path, {counts['no']} not "
               "boosted (read from the installed diffusers' code; `lite_boost.boost` checks each instance). The generic "
               "path: lite_boost's attention backend in diffusers' dispatcher, quantization of the _repeated_blocks, "
-              "diffusers' step-cache hooks, block-sparse attention over the latent grid; not yet: "
+              "diffusers' step-cache hooks, block-sparse attention over the latent grid, sequence parallelism where the "
+              "class carries a diffusers _cp_plan; not yet: "
               + ", ".join(sorted(always_off)) + "."]
     return "\n".join(lines)
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .config import BoostConfig, ConfigError
-from .registry import families, family_of, lookup, names_where
+from .config import BoostConfig
+from .plan import Plan, make_plan
+from .registry import family_of, lookup
 
-__all__ = ["boost", "unboost", "is_boosted", "ParallelManager"]
+__all__ = ["boost", "unboost", "is_boosted", "ParallelManager", "apply_plan", "apply_parallel_plan"]
 
 
 def boost(target, config=None):
@@ -23,23 +24,17 @@ def boost(target, config=None):
     :class:`CacheConfig` / :class:`QuantConfig`, a mapping with the same keys, or None (defaults:
     automatic attention backend, dense attention, no step caching, full-precision weights).
     The config is validated and the target's class looked up before anything is modified (a feature
-    the target's family lacks raises ``ConfigError`` naming the option). Boosting again with the same
-    config is a no-op; with another config the previous boost is replaced.
+    the target's family lacks raises ``ConfigError`` naming the option): :func:`lite_boost.plan.make_plan`.
+    Boosting again with the same config is a no-op; with another config the previous boost is replaced.
     """
-    config = BoostConfig.coerce(config)
-    fn = lookup(target)
-    family = family_of(fn)
-    if family is not None:
-        family.check_config(config)
-    if config.cache is not None:
-        from .cache import check_cache_support
+    return apply_plan(target, make_plan(target, config))
 
-        check_cache_support(target, config.cache)  # method / model fit, before anything is modified
-    if config.quant is not None:
-        from .quant import check_quant_support
 
-        check_quant_support(target, config.quant)  # layers, device, dtype: before anything is modified
-    return fn(target, config)
+def apply_plan(target, plan: Plan):
+    """Boost ``target`` as ``plan`` (from :func:`lite_boost.plan.make_plan` for this target) says; returns it."""
+    if plan.family is not None:
+        return plan.boost_fn(target, plan.config, plan=plan)
+    return plan.boost_fn(target, plan.config)  # a plain register_model function: it checks for itself
 
 
 def unboost(target):
@@ -61,44 +56,6 @@ def is_boosted(target) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ parallel
-def _layout(target, fn, family, sequence_degree: int):
-    """(pipeline plan or None, transformers, their sharding plans); PlanError when a plan is missing."""
-    from .parallel.plan import PlanError, ShardingPlan
-
-    pplan = family.pipeline if (family is not None and family.is_pipeline(target)) else None
-    models = family.transformers_of(target) if family is not None else [target]
-    if pplan is not None and not models:
-        raise PlanError(f"{type(target).__name__} has none of {list(pplan.transformers)} set")
-    plans = []
-    for model in models:
-        plan = getattr(family_of(model), "sharding", None)
-        if sequence_degree > 1 and not isinstance(plan, ShardingPlan):
-            with_plans = names_where(lambda f: isinstance(f.sharding, ShardingPlan))
-            raise PlanError(
-                f"{type(model).__name__} has no sequence-parallel sharding plan; models with a plan: {with_plans}. "
-                "Declare one as ModelFamily(sharding=ShardingPlan(...)) in its adapter."
-            )
-        plans.append(plan)
-    return pplan, models, plans
-
-
-def _rank_device(mesh, device, move_to_device):
-    """The device this rank's model will run on, for checks made before the mesh exists (None: where it is)."""
-    import torch
-
-    if not move_to_device:
-        return None
-    if mesh is not None:
-        dev = mesh.device
-    elif device is not None:
-        dev = torch.device(device)
-    else:
-        from .parallel.groups import default_device, read_torchrun_env
-
-        dev = default_device(read_torchrun_env()[1])
-    return None if dev.type == "cpu" else dev
-
-
 def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=None,
                     init_method: str | None = None, device=None, move_to_device: bool = True):
     """Make ``target`` (a supported pipeline or transformer) run sequence / CFG parallel; returns ``target``.
@@ -119,66 +76,29 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
 
     Every rank must call this with the same arguments. Invalid degrees, an unsupported class, a model
     without a sharding plan, a feature its family lacks (``sparse``, ``cfg_degree=2`` without CFG, a
-    cache method) raise before any collective. World size 1 = ``lite_boost.boost``. The patch lives on
-    the instances; ``unparallelize(target)`` removes it.
+    cache method) raise before any collective (:func:`lite_boost.plan.make_plan`). World size 1 =
+    ``lite_boost.boost``. The patch lives on the instances; ``unparallelize(target)`` removes it.
     """
-    from .parallel.groups import ParallelMesh, init_mesh
-    from .parallel.manager import check_cfg, check_vae, parallelize, unparallelize, world_size_of
+    plan = make_plan(target, config, parallel=True, mesh=mesh, device=device, move_to_device=move_to_device)
+    return apply_parallel_plan(target, plan, init_method=init_method)
 
-    config = BoostConfig.coerce(config)
-    if mesh is not None and not isinstance(mesh, ParallelMesh):
-        raise TypeError(f"mesh must be a ParallelMesh from initialize_usp, got {type(mesh).__name__}")
-    fn = lookup(target)  # UnsupportedModelError (a TypeError) for unknown classes
-    family = family_of(fn)
-    ring_degree = 1
-    if mesh is not None:
-        cfg_degree, seq_degree, ring_degree = mesh.cfg_degree, mesh.sequence_degree, mesh.ring_degree
-    else:
-        world = world_size_of(None)
-        try:
-            cfg_degree, ulysses_degree, ring_degree = config.parallel.resolve_mesh(world)
-            seq_degree = ulysses_degree * ring_degree
-        except ConfigError:  # degrees that do not fit the world: init_mesh names the valid ones, after the checks
-            cfg_degree, seq_degree = config.parallel.cfg_degree, max(1, world // config.parallel.cfg_degree)
-    sparse_on = config.sparse is not None and config.sparse.sparse_type is not None
-    if ring_degree > 1 and sparse_on and family is not None and family.joint != "cross":
-        raise ConfigError(
-            f"sparse attention with ring_degree={ring_degree} is not available for {family.name} (joint text + "
-            "image attention; block-sparse Ring covers self-attention families: "
-            f"{[f.name for f in families() if f.joint == 'cross' and f.features.get('sparse') is None]}). Use "
-            "ulysses_degree for the sequence ranks, or sparse without ring_degree"
-        )
-    pplan, models, plans = _layout(target, fn, family, seq_degree)
-    if family is not None:
-        family.check_config(config)
-    cfg_plan = pplan.cfg_for(target) if pplan is not None else None
-    if cfg_degree > 1 and (cfg_plan is None or cfg_plan.kind == "none"):
-        raise ConfigError(
-            f"cfg_degree={cfg_degree} needs a pipeline that runs classifier-free guidance; "
-            f"{type(target).__name__} is not one. Valid cfg_degree here: [1]"
-        )
-    check_cfg(target, pplan, cfg_degree)
-    unsupported_vae = family.features["parallel_vae"] if family is not None else None
-    vae_adapter = check_vae(target, config, mesh, unsupported=unsupported_vae)  # before any collective
-    if config.cache is not None:
-        from .cache import check_cache_support
 
-        check_cache_support(target, config.cache, cfg_degree=cfg_degree)  # method / model fit
-    if config.quant is not None:  # layers, device, dtype (every rank quantizes its copy of the same weights)
-        from .quant import check_quant_support
+def apply_parallel_plan(target, plan: Plan, *, init_method: str | None = None):
+    """Create the mesh (unless the plan carries one), boost and parallelise ``target`` as ``plan`` says."""
+    from .parallel.groups import init_mesh
+    from .parallel.manager import parallelize, unparallelize
 
-        check_quant_support(target, config.quant, device=_rank_device(mesh, device, move_to_device))
-    from .parallel.ring import check_ring_support
-
-    check_ring_support(config, mesh=mesh, device=device)  # kernels without lse under ring: before any collective
+    config = plan.config
+    mesh = plan.mesh
     if mesh is None:
-        mesh = init_mesh(config.parallel, init_method=init_method, device=device)
-
+        mesh = init_mesh(config.parallel, init_method=init_method, device=plan.device, degrees=plan.degrees)
     unparallelize(target)
-    move = move_to_device and mesh.device.type != "cpu" and hasattr(target, "to")
+    move = plan.rank_device is not None and mesh.device.type != "cpu" and hasattr(target, "to")
     if move and config.quant is not None:
         target.to(mesh.device)  # quantize where the model will run (the FP8 / W8A8 kernels check the device)
-    boost(target, config)
+    apply_plan(target, plan)
     if move and config.quant is None:
         target.to(mesh.device)
-    return parallelize(target, models, plans, pplan, config, mesh, vae_adapter=vae_adapter)
+    return parallelize(target, list(plan.models), list(plan.parts["sharding"]), plan.pipeline, config, mesh,
+                       vae_adapter=plan.parts["vae"])
+

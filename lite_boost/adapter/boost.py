@@ -133,11 +133,19 @@ def check_model(family, model) -> list:
     return sites
 
 
-def boost_model(family, model, config: BoostConfig | None = None):
-    """Boost one transformer of ``family`` in place and return it (idempotent for an equal config)."""
-    config = BoostConfig.coerce(config)
-    sites = check_model(family, model)
-    family.check_config(config, model)
+def boost_model(family, model, config: BoostConfig | None = None, *, plan=None):
+    """Boost one transformer of ``family`` in place and return it (idempotent for an equal config).
+
+    ``plan``: a :class:`lite_boost.plan.Plan` that validated this model already (its config is used and
+    nothing is checked again); without one, the model and config are checked here.
+    """
+    if plan is None:
+        config = BoostConfig.coerce(config)
+        sites = check_model(family, model)
+        family.check_config(config, model)
+    else:
+        config = plan.config
+        sites = match_sites(family, model)
     state = getattr(model, STATE_ATTR, None)
     if state is not None:
         if state.config == config and state.family is family:
@@ -145,7 +153,8 @@ def boost_model(family, model, config: BoostConfig | None = None):
         unboost_model(model)
 
     state = BoostState(config=config, rope_cache=RopeCache(config.rope_cache_size), family=family)
-    install_quant(model, state)  # first: on failure it leaves the model as it was
+    # first: on failure it leaves the model as it was
+    install_quant(model, state, plan.part("quant", model) if plan is not None else None)
     for name, module, site, layer in sites:
         proc = site.processor(layer, site.role, config.attention_backend)
         proc.text_first = family.joint != "image_first"
@@ -160,7 +169,7 @@ def boost_model(family, model, config: BoostConfig | None = None):
             rope.forward = family.rope.forward(rope, state)
             state.rope_patched = True
     install_sparse(model, state)  # block-sparse self-attention when config.sparse asks for it
-    install_cache(model, state)  # diffusers' step-cache hooks when config.cache asks for them
+    install_cache(model, state, checked=plan is not None)  # diffusers' step-cache hooks when config.cache asks
     setattr(model, STATE_ATTR, state)
     return model
 
@@ -214,15 +223,22 @@ def pipeline_transformers(family, pipe) -> list[tuple[str, object]]:
     return found
 
 
-def boost_pipeline(family, pipe, config: BoostConfig | None = None):
-    """Boost every transformer of a pipeline of ``family`` (checked first, then boosted)."""
-    config = BoostConfig.coerce(config)
-    transformers = pipeline_transformers(family, pipe)
-    for _, module in transformers:
-        check_model(family, module)
-        family.check_config(config, module)
-    for _, module in transformers:
-        boost_model(family, module, config)
+def boost_pipeline(family, pipe, config: BoostConfig | None = None, *, plan=None):
+    """Boost every transformer of a pipeline of ``family`` (checked first, then boosted).
+
+    ``plan``: a :class:`lite_boost.plan.Plan` of this pipeline (its transformers and config are used,
+    nothing is checked again).
+    """
+    if plan is None:
+        config = BoostConfig.coerce(config)
+        transformers = [m for _, m in pipeline_transformers(family, pipe)]
+        for module in transformers:
+            check_model(family, module)
+            family.check_config(config, module)
+    else:
+        transformers = plan.models
+    for module in transformers:
+        boost_model(family, module, config, plan=plan)
         attach_pipeline(module, pipe)  # the sparse schedule follows pipe.scheduler's step
     return pipe
 

@@ -229,6 +229,7 @@ def init_mesh(
     init_method: str | None = None,
     device: torch.device | str | None = None,
     env: Mapping[str, str] | None = None,
+    degrees: tuple[int, int, int] | None = None,
 ) -> ParallelMesh:
     """Create the cfg x sequence mesh for this process.
 
@@ -238,6 +239,8 @@ def init_mesh(
             variables ``MASTER_ADDR`` / ``MASTER_PORT``); e.g. ``file:///tmp/rdzv`` in tests.
         device: override the device (default: from ``LOCAL_RANK`` and what is available).
         env: environment mapping to read instead of ``os.environ`` (tests).
+        degrees: (cfg, ulysses, ring) degrees already resolved for this world size (``lite_boost.plan``);
+            default: resolved here from ``config``.
 
     Reuses an existing default process group (its world size and rank win over the environment).
     All validation happens before the first collective.
@@ -259,7 +262,9 @@ def init_mesh(
     else:
         rank, local_rank, world_size = read_torchrun_env(env)
 
-    cfg_degree, ulysses_degree, ring_degree = config.resolve_mesh(world_size)
+    if degrees is None or degrees[0] * degrees[1] * degrees[2] != world_size:
+        degrees = config.resolve_mesh(world_size)
+    cfg_degree, ulysses_degree, ring_degree = degrees
     sequence_degree = ulysses_degree * ring_degree
 
     if device is None:

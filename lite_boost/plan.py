@@ -1,0 +1,430 @@
+"""One planning step: "can this config run on this target?" answered once, into a frozen :class:`Plan`.
+
+``boost``, ``ParallelManager``, ``BoostManager`` and the ``lite-boost`` command all call :func:`make_plan`
+(the command, before any model is built, with ``target=None``: the family's data alone). It coerces the
+config once, looks the family up once, resolves the mesh degrees once and then runs every feature's
+``resolve`` function of :data:`STEPS` in order. Each raises (``ConfigError``, ``UnsupportedModelError``,
+``PlanError``, ``TypeError``) naming the option and the allowed values, before anything is modified and
+before any collective; each returns what its applier needs, kept in ``Plan.parts[name]``. The appliers
+(:func:`lite_boost.api.apply_plan`, the family's generated boost functions, ``parallelize``) execute the
+plan without checking again.
+
+A feature is one function here plus one line in :data:`STEPS`::
+
+    def _resolve_offload(draft: Draft):
+        if draft.config.offload is None:            # (the feature's config field)
+            return None
+        ...                                          # raise ConfigError naming the option, or
+        return OffloadPlan(...)                      # what the applier needs
+
+    STEPS = (..., Step("offload", _resolve_offload), ...)
+
+and the applier reads ``plan.parts["offload"]``. ``draft`` holds what earlier steps resolved (``family``,
+``models``, ``world_size``, the degrees, ``parts``); ``draft.target is None`` when planning on paper
+(the command line, before launching): a step that needs the instance returns early then.
+
+The family is a named :class:`~lite_boost.adapter.ModelFamily` or any record with the same reading
+interface (a generic record for any diffusers transformer slots in the same way): ``name``,
+``features`` / ``supports(feature)``, ``check_config(config, model=None, option=None)``,
+``is_pipeline(target)``, ``transformers_of(target)``, ``check_model(model)``, ``pipeline``
+(a :class:`~lite_boost.parallel.plan.PipelinePlan`), ``sharding``, ``cache``, ``quant_patterns``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+from .config import BoostConfig, ConfigError
+from .parallel.plan import PlanError
+from .registry import UnsupportedModelError, families, lookup, names_where
+
+__all__ = ["Plan", "Step", "Draft", "STEPS", "make_plan", "PlanError", "ConfigError", "UnsupportedModelError",
+           "DEFAULT_OPTION_NAMES", "PLANNER_ERRORS", "EXIT_CODES", "exit_code"]
+
+# How the planner names an option in its refusals (the command line passes its flags instead).
+DEFAULT_OPTION_NAMES = {
+    "sparse": "sparse (BoostConfig.sparse)",
+    "cache": "cache (BoostConfig.cache)",
+    "quant": "quant (BoostConfig.quant)",
+}
+
+
+# The planner's refusals and the command line's exit status for each (most specific first: PlanError and
+# UnsupportedModelError are TypeErrors, ConfigError is a ValueError).
+EXIT_CODES: tuple[tuple[type, int], ...] = ((UnsupportedModelError, 3), (PlanError, 4), (ConfigError, 2))
+PLANNER_ERRORS = tuple(cls for cls, _ in EXIT_CODES)
+
+
+def exit_code(exc: BaseException) -> int:
+    """The command line's exit status for a planner error (1 for anything else)."""
+    return next((code for cls, code in EXIT_CODES if isinstance(exc, cls)), 1)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one boost / parallel call will do, decided and validated before anything is touched.
+
+    target_class: the target's class name (the family's pipeline class on paper).
+    config: the coerced :class:`BoostConfig`.
+    boost_fn: the registered boost function (None on paper).
+    family: the named family or generic record behind it (None for a plain ``register_model`` function).
+    pipeline: the family's :class:`~lite_boost.parallel.plan.PipelinePlan` when the target is one of its
+        pipelines, else None.
+    models: the transformers the boost touches (empty on paper).
+    parallel: planned for ``ParallelManager`` (mesh, sharding, CFG, VAE resolved) or for ``boost``.
+    world_size, cfg_degree, ulysses_degree, ring_degree: the mesh (all 1 for ``boost``).
+    device: the caller's ``device`` argument (ParallelManager; None: from LOCAL_RANK).
+    rank_device: the device the model will be moved to and run on, for the device-dependent checks
+        (None: it stays where it is).
+    mesh: the caller's existing ``ParallelMesh``, or None (the applier creates it from the degrees).
+    parts: feature name -> what its step resolved (see :data:`STEPS`), read-only.
+    """
+
+    target_class: str
+    config: BoostConfig
+    boost_fn: Callable | None
+    family: Any
+    pipeline: Any
+    models: tuple
+    parallel: bool
+    world_size: int
+    cfg_degree: int
+    ulysses_degree: int
+    ring_degree: int
+    device: Any
+    rank_device: Any
+    mesh: Any
+    parts: Mapping[str, Any]
+
+    @property
+    def sequence_degree(self) -> int:
+        return self.ulysses_degree * self.ring_degree
+
+    @property
+    def degrees(self) -> tuple[int, int, int]:
+        """(cfg_degree, ulysses_degree, ring_degree), as ``ParallelConfig.resolve_mesh`` gives them."""
+        return self.cfg_degree, self.ulysses_degree, self.ring_degree
+
+    def part(self, name: str, model=None):
+        """``parts[name]``; with ``model``, the entry of a per-model part (a tuple aligned with ``models``)."""
+        value = self.parts.get(name)
+        if model is None or value is None:
+            return value
+        for m, v in zip(self.models, value):
+            if m is model:
+                return v
+        return None
+
+    def __repr__(self) -> str:
+        fam = getattr(self.family, "name", None)
+        return (f"Plan({self.target_class}, family={fam!r}, world_size={self.world_size}, "
+                f"cfg x ulysses x ring = {self.cfg_degree} x {self.ulysses_degree} x {self.ring_degree}, "
+                f"parts={sorted(k for k, v in self.parts.items() if v is not None)})")
+
+
+@dataclass
+class Draft:
+    """The plan while the steps run (private to one :func:`make_plan` call)."""
+
+    target: Any
+    config: BoostConfig
+    parallel: bool
+    option: Callable[[str], str]
+    mesh: Any = None
+    device: Any = None
+    move_to_device: bool = True
+    target_class: str = ""
+    boost_fn: Callable | None = None
+    family: Any = None
+    pipeline: Any = None
+    models: tuple = ()
+    world_size: int = 1
+    cfg_degree: int = 1
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+    rank_device: Any = None
+    mesh_error: ConfigError | None = None  # degrees that do not fit the world: raised after the family checks
+    parts: dict = field(default_factory=dict)
+
+    @property
+    def sequence_degree(self) -> int:
+        return self.ulysses_degree * self.ring_degree
+
+    @property
+    def on_paper(self) -> bool:
+        return self.target is None
+
+
+@dataclass(frozen=True)
+class Step:
+    """One planning step: ``resolve(draft) -> part`` (None: nothing to do); raises to refuse."""
+
+    name: str
+    resolve: Callable[[Draft], Any]
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def feature_error(family, feature: str, option: str) -> ConfigError:
+    """The refusal of a feature the family lacks (:func:`lite_boost.adapter.family.feature_error`)."""
+    from .adapter.family import feature_error as error
+
+    return error(family, feature, option)
+
+
+def _rank_device(draft: Draft):
+    """The device this rank's model will run on, for checks made before the mesh exists (None: where it is)."""
+    import torch
+
+    if not draft.parallel or not draft.move_to_device:
+        return None
+    if draft.mesh is not None:
+        dev = draft.mesh.device
+    elif draft.device is not None:
+        dev = torch.device(draft.device)
+    else:
+        from .parallel.groups import default_device, read_torchrun_env
+
+        dev = default_device(read_torchrun_env()[1])
+    return None if dev.type == "cpu" else dev
+
+
+# ------------------------------------------------------------------------------------------ steps
+def _resolve_mesh(draft: Draft):
+    """World size and cfg x ulysses x ring degrees: from the mesh given, else the config and the world."""
+    if not draft.parallel:
+        return None
+    mesh = draft.mesh
+    if not draft.on_paper:
+        draft.rank_device = _rank_device(draft)
+    if mesh is not None:
+        draft.config.parallel.check_world_size(mesh.world_size)
+        draft.world_size = mesh.world_size
+        draft.cfg_degree, draft.ulysses_degree, draft.ring_degree = mesh.cfg_degree, mesh.ulysses_degree, mesh.ring_degree
+        return None
+    p = draft.config.parallel
+    if draft.on_paper:
+        if draft.world_size > 1:  # the command line: degrees that cannot fit stop it before torchrun
+            draft.cfg_degree, draft.ulysses_degree, draft.ring_degree = p.resolve_mesh(draft.world_size)
+        return None
+    from .parallel.manager import world_size_of
+
+    draft.world_size = world_size_of(None)
+    p.check_world_size(draft.world_size)
+    try:
+        draft.cfg_degree, draft.ulysses_degree, draft.ring_degree = p.resolve_mesh(draft.world_size)
+    except ConfigError as exc:  # raised after the family checks (the valid degrees are named there)
+        draft.mesh_error = exc
+        draft.cfg_degree, draft.ulysses_degree = p.cfg_degree, max(1, draft.world_size // p.cfg_degree)
+    return None
+
+
+def _resolve_sparse(draft: Draft):
+    """Block-sparse attention under Ring needs a self-attention (cross text) family."""
+    family, config = draft.family, draft.config
+    sparse_on = config.sparse is not None and config.sparse.sparse_type is not None
+    if draft.ring_degree > 1 and sparse_on and family is not None and family.joint != "cross":
+        raise ConfigError(
+            f"sparse attention with ring_degree={draft.ring_degree} is not available for {family.name} (joint text + "
+            "image attention; block-sparse Ring covers self-attention families: "
+            f"{[f.name for f in families() if f.joint == 'cross' and f.features.get('sparse') is None]}). Use "
+            "ulysses_degree for the sequence ranks, or sparse without ring_degree"
+        )
+    return config.sparse if sparse_on else None
+
+
+def _resolve_sharding(draft: Draft):
+    """One ShardingPlan per transformer (None where sequence parallelism is off); PlanError when one is missing."""
+    if not draft.parallel:
+        return None
+    family, seq = draft.family, draft.sequence_degree
+    if draft.on_paper:
+        if seq > 1 and not family.supports("sequence_parallel"):
+            raise feature_error(family, "sequence_parallel",
+                                draft.option("sequence_parallel", f"sequence degree {seq}"))
+        return None
+    from .parallel.plan import ShardingPlan
+
+    if draft.pipeline is not None and not draft.models:
+        raise PlanError(f"{draft.target_class} has none of {list(draft.pipeline.transformers)} set")
+    plans = []
+    for model in draft.models:
+        plan = getattr(family, "sharding", None)
+        if seq > 1 and not isinstance(plan, ShardingPlan):
+            with_plans = names_where(lambda f: isinstance(f.sharding, ShardingPlan))
+            raise PlanError(
+                f"{type(model).__name__} has no sequence-parallel sharding plan; models with a plan: {with_plans}. "
+                "Declare one as ModelFamily(sharding=ShardingPlan(...)) in its adapter."
+            )
+        plans.append(plan)
+    return tuple(plans)
+
+
+def _resolve_features(draft: Draft):
+    """What the family refuses of ``config`` (sparse, cache, quant without the family's support)."""
+    if draft.family is not None:
+        draft.family.check_config(draft.config, option=draft.option)
+    return None
+
+
+def _resolve_cfg(draft: Draft):
+    """The pipeline's CFG plan when cfg_degree > 1 splits its two branches over the cfg ranks."""
+    if not draft.parallel or draft.cfg_degree < 2:
+        return None
+    if draft.on_paper:
+        if not draft.family.supports("cfg_parallel"):
+            raise feature_error(draft.family, "cfg_parallel", draft.option("cfg_parallel"))
+        return None
+    cfg_plan = draft.pipeline.cfg_for(draft.target) if draft.pipeline is not None else None
+    if cfg_plan is None or cfg_plan.kind == "none":
+        raise ConfigError(
+            f"cfg_degree={draft.cfg_degree} needs a pipeline that runs classifier-free guidance; "
+            f"{draft.target_class} is not one. Valid cfg_degree here: [1]"
+        )
+    from .parallel.manager import check_cfg
+
+    check_cfg(draft.target, draft.pipeline, draft.cfg_degree)
+    return cfg_plan
+
+
+def _resolve_vae(draft: Draft):
+    """The parallel-VAE adapter of ``target.vae`` when the VAE will run parallel, else None."""
+    if not draft.parallel or draft.world_size == 1:
+        return None
+    family, mode = draft.family, draft.config.parallel.vae_parallel
+    if draft.on_paper:
+        if mode in ("exact", "chunked") and not family.supports("parallel_vae"):
+            raise feature_error(family, "parallel_vae", draft.option("parallel_vae"))
+        return None
+    from .parallel.manager import check_vae
+
+    unsupported = family.features["parallel_vae"] if family is not None else None
+    return check_vae(draft.target, draft.config, draft.mesh, unsupported=unsupported, world_size=draft.world_size)
+
+
+def _resolve_cache(draft: Draft):
+    """The family's cache adapter for ``config.cache`` (method, pipeline, CFG split, model checks)."""
+    cache = draft.config.cache
+    if cache is None:
+        return None
+    if draft.on_paper:
+        methods = list(draft.family.cache.methods)
+        if cache.method not in methods:
+            raise ConfigError(f"{draft.option('cache.method')} is not available for the {draft.family.name} family; "
+                              f"its step caches: {methods}")
+        return draft.family.cache
+    from .cache import check_cache_support
+
+    return check_cache_support(draft.target, cache, cfg_degree=draft.cfg_degree, family=draft.family)
+
+
+def _resolve_quant(draft: Draft):
+    """One QuantPlan per transformer (layers, device, dtype), aligned with ``models``."""
+    if draft.config.quant is None or draft.on_paper:
+        return None
+    from .quant import check_quant_support
+
+    return tuple(check_quant_support(draft.target, draft.config.quant, device=draft.rank_device,
+                                     family=draft.family, models=draft.models))
+
+
+def _resolve_ring(draft: Draft):
+    """Sparse kernels that return no log-sum-exp cannot run under Ring."""
+    if not draft.parallel or draft.on_paper or draft.ring_degree == 1:
+        return None
+    from .parallel.ring import check_ring_support
+
+    check_ring_support(draft.config, mesh=draft.mesh, device=draft.device, ring_degree=draft.ring_degree)
+    return None
+
+
+def _resolve_models(draft: Draft):
+    """Every transformer matches its family's attention sites and RoPE module (TypeError otherwise)."""
+    if draft.on_paper or draft.family is None:
+        return None
+    if not draft.models:
+        raise ValueError(f"{draft.target_class} has none of {list(draft.pipeline.transformers)} set; nothing to boost")
+    for model in draft.models:
+        draft.family.check_model(model)
+    return None
+
+
+# The steps, in order (the order of the refusals when a config has several problems). A new feature adds
+# one function above and one line here; its applier reads ``plan.parts[name]``.
+STEPS: tuple[Step, ...] = (
+    Step("mesh", _resolve_mesh),            # world size, cfg x ulysses x ring degrees
+    Step("sparse", _resolve_sparse),        # block-sparse attention (SparseConfig or None)
+    Step("sharding", _resolve_sharding),    # where each transformer's sequence is split and gathered
+    Step("features", _resolve_features),    # what the family lacks
+    Step("cfg", _resolve_cfg),              # CFG parallelism's plan
+    Step("vae", _resolve_vae),              # the parallel-VAE adapter
+    Step("cache", _resolve_cache),          # the step-cache adapter
+    Step("quant", _resolve_quant),          # one QuantPlan per transformer
+    Step("ring", _resolve_ring),            # kernels Ring attention can merge
+    Step("models", _resolve_models),        # the transformers match the family's record
+)
+
+
+# ------------------------------------------------------------------------------------------ entry
+def _resolve_target(draft: Draft) -> None:
+    """The boost function and the family (named, or a generic record), the pipeline plan and the transformers."""
+    target = draft.target
+    draft.target_class = type(target).__name__
+    draft.boost_fn = lookup(target)  # UnsupportedModelError (a TypeError) naming the supported classes
+    family = draft.family = getattr(draft.boost_fn, "family", None)
+    if family is None:
+        draft.models = (target,)
+        return
+    draft.pipeline = family.pipeline if family.is_pipeline(target) else None
+    draft.models = tuple(family.transformers_of(target))
+
+
+def make_plan(target, config: BoostConfig | Mapping | Any = None, *, parallel: bool = False, mesh=None,
+              device=None, move_to_device: bool = True, family=None, class_name: str | None = None,
+              world_size: int = 1, option_names: Mapping[str, str] | None = None) -> Plan:
+    """Resolve and validate everything one boost (``parallel=False``) or ParallelManager call needs.
+
+    Args:
+        target: the pipeline or transformer; None plans on paper from ``family`` (the command line,
+            before any model is built: ``class_name`` and ``world_size`` say what will run).
+        config: anything :meth:`BoostConfig.coerce` takes (coerced once, here).
+        parallel: plan for ``ParallelManager`` (mesh degrees, sharding, CFG and VAE plans).
+        mesh, device, move_to_device: ``ParallelManager``'s arguments (the mesh's degrees win; the
+            device is the rank's, for the quantization checks).
+        option_names: how refusals name an option (key -> text, or ``draft -> text``), e.g. the command
+            line's flags; keys: ``sparse``, ``cache``, ``cache.method``, ``quant``, ``cfg_parallel``,
+            ``sequence_parallel``, ``parallel_vae``.
+
+    Raises ConfigError, UnsupportedModelError, PlanError or TypeError (a target that does not match its
+    family's record) before anything is modified and before any collective.
+    """
+    config = config if isinstance(config, BoostConfig) else BoostConfig.coerce(config)
+    names = {**DEFAULT_OPTION_NAMES, **dict(option_names or {})}
+
+    def option(key: str, detail: str = "") -> str:
+        name = names.get(key, f"{key}{' (' + detail + ')' if detail else ''}")
+        return name(draft) if callable(name) else name
+
+    if parallel and mesh is not None:
+        from .parallel.groups import ParallelMesh
+
+        if not isinstance(mesh, ParallelMesh):
+            raise TypeError(f"mesh must be a ParallelMesh from initialize_usp, got {type(mesh).__name__}")
+    draft = Draft(target=target, config=config, parallel=parallel, option=option, mesh=mesh, device=device,
+                  move_to_device=move_to_device)
+    if target is None:
+        if family is None:
+            raise TypeError("make_plan needs a target, or a family to plan on paper")
+        draft.family, draft.target_class, draft.world_size = family, class_name or "", world_size
+    else:
+        _resolve_target(draft)
+    for step in STEPS:
+        draft.parts[step.name] = step.resolve(draft)
+    if draft.mesh_error is not None:
+        raise draft.mesh_error
+    return Plan(target_class=draft.target_class, config=config, boost_fn=draft.boost_fn, family=draft.family,
+                pipeline=draft.pipeline, models=draft.models, parallel=parallel, world_size=draft.world_size,
+                cfg_degree=draft.cfg_degree, ulysses_degree=draft.ulysses_degree, ring_degree=draft.ring_degree,
+                device=device, rank_device=draft.rank_device, mesh=mesh,
+                parts=MappingProxyType(dict(draft.parts)))

@@ -15,7 +15,7 @@ Rows (each a model built from the same weights; ``*_eager`` variants run the boo
 
 * ``stock_eager``       diffusers as shipped: the baseline of every run (always included);
 * ``stock_compiled``    ``transformer.compile_repeated_blocks(fullgraph=True)`` (inductor);
-* ``boost_dense``       ``lite_boost.boost(model)``, compiled the same way (the README's recommendation);
+* ``boost_dense``       ``lite_boost.boost(model)``, compiled the same way (the recommendation of docs/guides/compile.md);
 * ``boost_sparse``      ``SparseConfig(sparsity=0.8)`` (every other setting at its default), compiled;
 * ``boost_int8``        ``QuantConfig("int8_dynamic")`` (torchao), compiled;
 * ``boost_sparse_int8`` both, compiled.

@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .config import BoostConfig
-from .plan import Plan, make_plan
+from .plan import Plan, check_one_process, make_plan
 from .registry import family_of, lookup
 
-__all__ = ["boost", "unboost", "is_boosted", "ParallelManager", "apply_plan", "apply_parallel_plan"]
+__all__ = ["boost", "unboost", "is_boosted", "ParallelManager", "apply_plan", "apply_parallel_plan",
+           "check_one_process"]
 
 
 def boost(target, config=None):
@@ -68,7 +69,8 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
             into ``ulysses_degree`` x ``ring_degree`` (default: all sequence ranks on Ulysses);
             ``parallel.timeout_s`` bounds every collective; ``parallel.vae_parallel`` ("exact" by default
             on more than one rank where the VAE has a parallel adapter, "chunked" or "off") spreads
-            ``target.vae``'s decode / encode over all ranks (:mod:`lite_boost.parallel.vae`).
+            ``target.vae``'s decode / encode over all ranks (:mod:`lite_boost.parallel.vae`);
+            ``offload`` keeps the weights on the host and uploads each block to the rank's device as it runs.
         mesh: an existing mesh from ``initialize_usp`` (default: create one from the torchrun env).
         init_method: rendezvous URL when this call initialises torch.distributed (default env://).
         device: override the rank's device (default from LOCAL_RANK).
@@ -76,8 +78,8 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
 
     Every rank must call this with the same arguments. Invalid degrees, an unsupported class, a model
     without a sharding plan, a feature its family lacks (``sparse``, ``cfg_degree=2`` without CFG, a
-    cache method) raise before any collective (:func:`lite_boost.plan.make_plan`). World size 1 =
-    ``lite_boost.boost``. The patch lives on the instances; ``unparallelize(target)`` removes it.
+    cache method) raise before any collective. World size 1 = ``lite_boost.boost``. The patch lives on
+    the instances; ``unparallelize(target)`` removes it.
     """
     plan = make_plan(target, config, parallel=True, mesh=mesh, device=device, move_to_device=move_to_device)
     return apply_parallel_plan(target, plan, init_method=init_method)
@@ -93,7 +95,9 @@ def apply_parallel_plan(target, plan: Plan, *, init_method: str | None = None):
     if mesh is None:
         mesh = init_mesh(config.parallel, init_method=init_method, device=plan.device, degrees=plan.degrees)
     unparallelize(target)
-    move = plan.rank_device is not None and mesh.device.type != "cpu" and hasattr(target, "to")
+    # with offload the blocks compute on this rank's device (the plan's onload device); the weights stay on the host
+    move = (plan.rank_device is not None and config.offload is None and mesh.device.type != "cpu"
+            and hasattr(target, "to"))
     if move and config.quant is not None:
         target.to(mesh.device)  # quantize where the model will run (the FP8 / W8A8 kernels check the device)
     apply_plan(target, plan)
@@ -101,4 +105,3 @@ def apply_parallel_plan(target, plan: Plan, *, init_method: str | None = None):
         target.to(mesh.device)
     return parallelize(target, list(plan.models), list(plan.parts["sharding"]), plan.pipeline, config, mesh,
                        vae_adapter=plan.parts["vae"])
-

@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "the pipeline's own for --model, 5 for the tiny models)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default bfloat16 on GPU/NPU, float32 on CPU")
-    gen.add_argument("--device", default=None, help="cpu, cuda, npu (default: the accelerator if present)")
+    gen.add_argument("--device", default=None, help="cpu, cuda, cuda:N, npu, npu:N (default: the accelerator if "
+                                                    "present; `lite-boost env` lists them)")
     gen.add_argument("--attention-backend", default=None, choices=["fa3", "fa2", "npu", "sdpa"])
     gen.add_argument("--sparsity", type=float, default=None,
                      help="block-sparse self-attention sparsity in [0, 1); 0 = dense (default 0 for --model, "
@@ -70,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quant", default=None, choices=["int8_dynamic", "int8_weight_only", "fp8", "w8a8_npu"],
                      help="quantize the transformer blocks' Linear layers (torchao; w8a8_npu: torch_npu): int8_dynamic "
                           "and int8_weight_only on CPU/CUDA, fp8 on CUDA sm89+ (bf16), w8a8_npu on Ascend")
+    gen.add_argument("--offload", action="store_true",
+                     help="keep the transformer and text-encoder weights in host memory and upload each block to "
+                          "the device as it runs (the next one on a side stream on CUDA / NPU); the stock run is "
+                          "skipped on an accelerator (it would need the whole model there)")
     gen.add_argument("--config", default=None, help="YAML BoostConfig (overrides the flags above)")
     gen.add_argument("--nproc", type=int, default=1, help="processes to launch with torchrun (one per device)")
     gen.add_argument("--sequence-degree", type=int, default=None,
@@ -92,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", default=None,
                      help="video path (default outputs/lite_boost_<t2v|i2v>.mp4); image families write a PNG "
                           "(default outputs/lite_boost_<t2i|i2i>.png)")
+    gen.add_argument("--overwrite", action="store_true",
+                     help="replace an existing --output file (without it an existing --output is refused, and the "
+                          "default name is numbered: lite_boost_t2v-1.mp4, -2, ...)")
     gen.add_argument("--fps", type=int, default=16)
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     gen.add_argument("-v", "--verbose", action="store_true", help="log backend choices")
@@ -252,6 +260,96 @@ def write_image(image, path: str | os.PathLike) -> tuple[Path, str]:
         out = path.with_suffix(".npy")
         np.save(out, arr8)
         return out, "numpy .npy (no Pillow)"
+
+
+# what write_video / write_image may turn a path's suffix into (mp4 -> gif -> npy; png -> npy)
+_OUTPUT_SUFFIXES = (".mp4", ".gif", ".npy", ".png")
+
+
+def _taken(path: Path) -> Path | None:
+    """The existing file a write to ``path`` could replace (any suffix the writers may use), or None."""
+    return next((c for c in (path, *(path.with_suffix(x) for x in _OUTPUT_SUFFIXES)) if c.exists()), None)
+
+
+def check_output(output: str | None, overwrite: bool) -> None:
+    """SystemExit when an explicit ``--output`` exists and ``--overwrite`` is not given (checked before any work)."""
+    if output is None or overwrite:
+        return
+    existing = _taken(Path(output))
+    if existing is not None:
+        raise SystemExit(f"lite-boost generate: --output {output}: {existing} exists; pass --overwrite to replace it, "
+                         "or another --output (without --output the default name is numbered, never overwritten)")
+
+
+def output_path(output: str | None, default: str) -> Path:
+    """``output`` as given (``check_output`` ran), else ``default``, numbered ``-1``, ``-2``, ... past existing files."""
+    if output is not None:
+        return Path(output)
+    path = Path(default)
+    n = 0
+    while _taken(path if n == 0 else path.with_name(f"{path.stem}-{n}{path.suffix}")) is not None:
+        n += 1
+    return path if n == 0 else path.with_name(f"{path.stem}-{n}{path.suffix}")
+
+
+def usable_devices() -> list[str]:
+    """The devices this torch build can run on here: cpu, then cuda:N / npu:N for each visible device."""
+    import torch
+
+    found = ["cpu"]
+    if torch.cuda.is_available():
+        found += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    npu = getattr(torch, "npu", None)
+    if npu is not None and npu.is_available():
+        found += [f"npu:{i}" for i in range(npu.device_count())]
+    return found
+
+
+def check_device(name: str):
+    """``name`` as a torch.device; SystemExit naming the usable devices when it is malformed or not usable here
+    (a CPU-only torch build asked for ``cuda``, an index past the visible devices)."""
+    import torch
+
+    usable = usable_devices()
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise SystemExit(f"lite-boost generate: --device must be a device name such as cpu, cuda or cuda:0, got "
+                         f"{name!r}; usable here: {usable}") from None
+    if dev.type == "cpu":
+        return dev
+    why = None
+    if not any(u.startswith(dev.type + ":") for u in usable):
+        if dev.type == "cuda" and torch.version.cuda is None:
+            why = f"this torch build ({torch.__version__}) has no CUDA support"
+        elif dev.type == "npu" and getattr(torch, "npu", None) is None:
+            why = "torch_npu is not installed"
+        else:
+            why = f"no {dev.type} device is visible"
+    elif dev.index is not None and f"{dev.type}:{dev.index}" not in usable:
+        why = f"only {sum(u.startswith(dev.type + ':') for u in usable)} {dev.type} device(s) are visible"
+    if why is not None:
+        raise SystemExit(f"lite-boost generate: --device {name} is not usable here ({why}); usable devices: {usable}")
+    return dev
+
+
+def check_processes(config, nproc: int, world_size: int, from_config: str | None = None) -> None:
+    """SystemExit with the launch hint when the parallel degrees need more processes than the run has: one
+    process (no --nproc, not under torchrun) cannot split CFG or the sequence."""
+    need = config.parallel.processes_needed()
+    have = max(nproc, world_size)
+    if need <= have or have > 1:  # several processes: resolve_mesh names the degrees that fit the world size
+        return
+    p = config.parallel
+    names = ("cfg_degree", "sequence_degree", "ulysses_degree", "ring_degree") + (("world_size",) if from_config else ())
+    given = [(n, getattr(p, n)) for n in names if getattr(p, n) not in (None, 1)]
+    if from_config is not None:
+        asked = f"parallel {', '.join(f'{n}={v}' for n, v in given)} (from --config {from_config})"
+    else:
+        asked = " ".join(f"--{n.replace('_', '-')} {v}" for n, v in given)
+    raise SystemExit(f"lite-boost generate: {asked} need {need} processes, but this run has one; add --nproc {need} "
+                     f"(lite-boost starts them with torchrun), or launch `torchrun --nproc_per_node {need} -m "
+                     "lite_boost.cli generate ...` yourself")
 
 
 # ----------------------------------------------------------------------------------------------- #
@@ -444,12 +542,14 @@ def _validate_generate(args) -> None:
         v = getattr(args, name, None)
         if v is not None and v < 1:
             bad("--" + name.replace("_", "-"), v, "a positive integer")
-    if getattr(args, "ulysses_degree", None) is not None or getattr(args, "ring_degree", None) is not None:
+    world = int(os.environ.get("WORLD_SIZE", "0")) or args.nproc  # under torchrun (no --nproc): the launched world
+    if (getattr(args, "ulysses_degree", None) is not None or getattr(args, "ring_degree", None) is not None) \
+            and world > 1:  # one process: check_processes gives the launch hint
         from lite_boost.config import ConfigError, ParallelConfig
 
         try:  # degrees that cannot fit --nproc fail here, before torchrun starts anything
             ParallelConfig(sequence_degree=args.sequence_degree, cfg_degree=args.cfg_degree,
-                           ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree).resolve_mesh(args.nproc)
+                           ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree).resolve_mesh(world)
         except ConfigError as exc:
             raise plan_exit(exc) from None
     if getattr(args, "vae_overlap", None) is not None:
@@ -465,6 +565,9 @@ def _validate_generate(args) -> None:
         bad("--model", args.model, "a diffusers pipeline folder (with model_index.json)")
     if args.config is not None and not Path(args.config).is_file():
         bad("--config", args.config, "an existing YAML file")
+    check_output(args.output, getattr(args, "overwrite", False))
+    if args.device is not None:
+        check_device(args.device)
     if args.cache is not None:
         from lite_boost.config import CacheConfig, ConfigError
 
@@ -500,10 +603,10 @@ def _boost_config(args):
     cache = CacheConfig.parse(args.cache) if args.cache else None
     quant = QuantConfig(method=args.quant) if getattr(args, "quant", None) else None
     return BoostConfig(attention_backend=args.attention_backend, sparse=sparse, parallel=parallel, cache=cache,
-                       quant=quant)
+                       quant=quant, offload=bool(getattr(args, "offload", False)))
 
 
-def _load_pipeline(args, kind, device, dtype, family_name: str = "wan"):
+def _load_pipeline(args, kind, device, dtype, family_name: str = "wan", offload: bool = False):
     import torch
 
     if args.model is None and family_name == "qwen-image":
@@ -523,7 +626,8 @@ def _load_pipeline(args, kind, device, dtype, family_name: str = "wan"):
         pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=dtype, **absent)
         if getattr(pipe, "vae", None) is not None:
             pipe.vae.to(torch.float32)  # the VAEs run in fp32 (diffusers' Wan examples do)
-    pipe.to(device)
+    if not offload:  # offloaded weights stay on the host; the boost uploads them block by block
+        pipe.to(device)
     return pipe
 
 
@@ -708,6 +812,10 @@ def applied_summary(pipe, config, work=None, device=None, dtype=None) -> list[st
         lines.append("Linear layers: full precision")
     else:
         lines.append("Linear layers: " + "; ".join(q.summary(m) for m, q in quant))
+    # offload
+    from lite_boost.offload import offload_summary
+
+    lines.append(offload_summary(pipe))
     # parallel layout
     pstate = getattr(pipe, "_lite_boost_parallel", None)
     if pstate is None:
@@ -740,6 +848,7 @@ def generate(args, argv: list[str]) -> int:
     except ConfigError as exc:
         raise plan_exit(exc) from None
     launching = args.nproc > 1 and "LOCAL_RANK" not in os.environ
+    check_processes(config, args.nproc, int(os.environ.get("WORLD_SIZE", "1")), args.config)
     # unsupported combinations stop here, before torchrun starts anything
     check_family_options(family, class_name, args, config,
                          args.nproc if launching else int(os.environ.get("WORLD_SIZE", "1")))
@@ -759,7 +868,7 @@ def generate(args, argv: list[str]) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if args.device:
-        device = torch.device(args.device)
+        device = check_device(args.device)
     elif torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     elif getattr(torch, "npu", None) is not None and torch.npu.is_available():
@@ -777,7 +886,9 @@ def generate(args, argv: list[str]) -> int:
     dtype = getattr(torch, dtype_name)
     kind = _run_kind(family.name, class_name, args)
     image_out = kind in ("t2i", "i2i")
-    pipe = _load_pipeline(args, kind, device, dtype, family.name)
+    if config.offload is not None and config.offload.onload_device is None:
+        config = config.replace(offload=config.offload.replace(onload_device=str(device)))
+    pipe = _load_pipeline(args, kind, device, dtype, family.name, offload=config.offload is not None)
     pipe.set_progress_bar_config(disable=rank != 0)
     kw = _call_kwargs(args, kind, tiny=args.model is None, family_name=family.name, pipe=pipe)
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -792,7 +903,10 @@ def generate(args, argv: list[str]) -> int:
 
     rows = {}
     stock_frames = None
-    if not args.no_compare:
+    if not args.no_compare and config.offload is not None and device.type != "cpu":
+        say(f"stock run skipped with --offload on {device} (it would need the whole model there); --device cpu "
+            "compares")
+    elif not args.no_compare:
         # Every rank runs the stock pass (no collectives in it): a rank-0-only baseline would leave
         # the other ranks waiting at the first collective for as long as it takes.
         say("stock diffusers run" + (f" (on each of the {world} ranks, one device each)" if world > 1 else "") + " ...")
@@ -813,9 +927,9 @@ def generate(args, argv: list[str]) -> int:
     if rank != 0:
         return 0
     if image_out:
-        written, fmt = write_image(frames, args.output or f"outputs/lite_boost_{kind}.png")
+        written, fmt = write_image(frames, output_path(args.output, f"outputs/lite_boost_{kind}.png"))
     else:
-        written, fmt = write_video(frames, args.output or f"outputs/lite_boost_{kind}.mp4", fps=args.fps)
+        written, fmt = write_video(frames, output_path(args.output, f"outputs/lite_boost_{kind}.mp4"), fps=args.fps)
     print(f"\nwrote {written} [{fmt}]")
     print()
     # phases the boost leaves alone: their "speed-up" would only be run-to-run noise
@@ -838,6 +952,26 @@ def generate(args, argv: list[str]) -> int:
     return 0
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args``, except that an unknown option is reported with its subcommand's usage (argparse
+    reports it with the top-level one) and the closest options that subcommand has."""
+    import difflib
+
+    args, extra = parser.parse_known_args(argv)
+    if not extra:
+        return args
+    sub = next((a.choices[args.command] for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+                and getattr(args, "command", None) in a.choices), parser)
+    known = [o for a in sub._actions for o in a.option_strings]
+    hints = []
+    for arg in extra:
+        if arg.startswith("-"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=2, cutoff=0.6)
+            if close:
+                hints.append(f"{arg}: did you mean {' or '.join(close)}?")
+    sub.error(f"unrecognized arguments: {' '.join(extra)}" + ("; " + "; ".join(hints) if hints else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     """The ``lite-boost`` command. A refusal of the planner exits with :data:`lite_boost.plan.EXIT_CODES`
     (2: an option or config value, 3: an unsupported model, 4: no parallel plan for it)."""
@@ -850,7 +984,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if not getattr(args, "verbose", False):
         # torchao (imported by diffusers when installed) warns about every CUDA-only extension a CPU build of

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -22,10 +24,13 @@ __all__ = [
     "BoostConfig",
     "CacheConfig",
     "QuantConfig",
+    "OffloadConfig",
     "QUANT_METHODS",
     "parallel_from_boost_manager",
     "ATTENTION_BACKEND_NAMES",
     "SPARSE_BACKEND_NAMES",
+    "read_yaml",
+    "yaml_path_hint",
 ]
 
 # Names accepted for the dense attention backend (kept here so the config can validate without
@@ -61,6 +66,34 @@ def _check_choice(name: str, value: Any, choices):
         raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
+def read_yaml(path) -> Any:
+    """The data of a YAML file (None for an empty file becomes {}); ConfigError naming the file, and the line and
+    column of a syntax error, in place of PyYAML's parser traceback."""
+    import os
+
+    import yaml
+
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return yaml.safe_load(fh) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config file {path!r}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
+        what = " ".join(str(x) for x in (getattr(exc, "context", None), getattr(exc, "problem", None)) if x)
+        raise ConfigError(f"{path}: {where}: not valid YAML ({what or exc})") from None
+
+
+def yaml_path_hint(path) -> str:
+    """The message for a YAML path given where a config object is expected (``boost``, ``ParallelManager``)."""
+    p = os.fspath(path)
+    return (f"config {p!r} is a path: boost() and ParallelManager() take a BoostConfig, a sub-config, a mapping or None. "
+            f"For a YAML file use lite_boost.BoostManager(pipe, config={p!r}) (it loads the file), or "
+            f"lite_boost.boost(pipe, lite_boost.BoostConfig.from_yaml({p!r}))")
+
+
 class _ConfigMixin:
     """from_dict / to_dict / from_yaml shared by all configs."""
 
@@ -90,11 +123,12 @@ class _ConfigMixin:
 
     @classmethod
     def from_yaml(cls, path: str):
-        import yaml
-
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh) or {}
-        return cls.from_dict(data)
+        """Load from a YAML file; ConfigError naming the file (and the line of a syntax error) on bad input."""
+        data = read_yaml(path)
+        try:
+            return cls.from_dict(data)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
@@ -206,7 +240,7 @@ class ParallelConfig(_ConfigMixin):
         reference's boolean meaning ("chunked" / "off").
     vae_chunk_size: latent frames per chunk in "chunked" mode; None = one cost-balanced chunk per rank.
     vae_overlap: warm-up latent frames before each chunk in "chunked" mode (>= 1); None = the VAE
-        adapter's defaults, chosen from the seam study in the README (Wan: 2 for decode, 2 for encode).
+        adapter's defaults, chosen from the seam study in docs/benchmarks/vae.md (Wan: 2 for decode, 2 for encode).
     vae_gather: "all" (the decoded video on every rank) or "rank0" (only rank 0 gets it, the others
         an empty 0-frame tensor; saves memory) in "chunked" mode; "exact" mode assembles every frame
         on every rank (its per-frame loop needs the whole frame), so it accepts only "all".
@@ -252,6 +286,12 @@ class ParallelConfig(_ConfigMixin):
             if self.vae_gather != "all":
                 raise ConfigError(f"vae_gather={self.vae_gather!r} applies to vae_parallel='chunked' only, but "
                                   f"vae_parallel is {mode}; valid vae_gather here: ['all']")
+
+    def processes_needed(self) -> int:
+        """The fewest processes the degrees asked for need: cfg_degree x sequence degree (sequence_degree, or
+        ulysses_degree x ring_degree), or ``world_size`` when that is larger; 1 = one process can run this config."""
+        seq = self.sequence_degree or (self.ulysses_degree or 1) * (self.ring_degree or 1)
+        return max(self.cfg_degree * seq, self.world_size or 1)
 
     def resolve(self, world_size: int) -> tuple[int, int]:
         """Return (cfg_degree, sequence_degree) for ``world_size`` or raise listing valid choices."""
@@ -412,6 +452,85 @@ class QuantConfig(_ConfigMixin):
         return cls(method=spec.strip().replace("-", "_"))
 
 
+# Device types an offloaded model may compute on (``OffloadConfig.onload_device``), with an optional ":index".
+OFFLOAD_DEVICE_TYPES = ("cpu", "cuda", "npu", "xpu")
+
+
+def _check_device(name: str, value: Any, types=OFFLOAD_DEVICE_TYPES) -> None:
+    ok = isinstance(value, str) and re.fullmatch(rf"({'|'.join(types)})(:\d+)?", value) is not None
+    if not ok:
+        raise ConfigError(f"{name} must be a device string of type {list(types)} (optionally with ':INDEX', e.g. "
+                          f"'cuda:0'), got {value!r}")
+
+
+@dataclass(frozen=True)
+class OffloadConfig(_ConfigMixin):
+    """Block-level offload of the transformer(s) and the text encoder(s) to host memory
+    (see :mod:`lite_boost.offload`; diffusers' group-offloading hooks).
+
+    Each transformer block (group of ``num_blocks_per_group`` blocks) is uploaded to the compute device
+    just before it runs and dropped from it afterwards; on CUDA / NPU the next block's upload runs on a
+    side stream while the current block computes, so device memory holds about two blocks of weights
+    plus what is not in a block (embeddings, norms, the output projection) instead of the whole model.
+
+    onload_device: where the blocks compute: "cpu", "cuda[:N]", "npu[:N]", "xpu[:N]"; None = the
+        model's device when it is an accelerator, else the rank's accelerator when there is one, else
+        the CPU (where the hooks still run but nothing moves).
+    offload_device: where the weights wait: only "cpu" (host memory).
+    num_blocks_per_group: blocks uploaded together (1 with a side stream: diffusers' rule).
+    use_stream: overlap the next group's upload with the current group's compute on a side stream;
+        None = on when the onload device has streams (CUDA, NPU, XPU), off on the CPU.
+    record_stream: with ``use_stream``, let the allocator track the compute stream instead of
+        synchronising before each group is dropped (faster, slightly more memory).
+    low_cpu_mem_usage: pin host copies on the fly instead of keeping a pinned copy of every block
+        (less host memory, slower uploads); matters only with ``use_stream``.
+    disk_path: a folder: offload to safetensors files there instead of host memory (for hosts whose RAM
+        cannot hold the model; slower). None = host memory.
+    text_encoder: offload the pipeline's text / image encoders the same way (their layer stacks);
+        False leaves them where they are. The pipeline's other modules (the VAE) go to the onload device.
+    """
+
+    onload_device: str | None = None
+    offload_device: str = "cpu"
+    num_blocks_per_group: int = 1
+    use_stream: bool | None = None
+    record_stream: bool = False
+    low_cpu_mem_usage: bool = False
+    disk_path: str | None = None
+    text_encoder: bool = True
+
+    def __post_init__(self):
+        if self.onload_device is not None:
+            _check_device("offload.onload_device", self.onload_device)
+        _check_choice("offload.offload_device", self.offload_device, ("cpu",))
+        _check_int("offload.num_blocks_per_group", self.num_blocks_per_group, lo=1)
+        if self.use_stream is not None:
+            _check_bool("offload.use_stream", self.use_stream)
+        _check_bool("offload.record_stream", self.record_stream)
+        _check_bool("offload.low_cpu_mem_usage", self.low_cpu_mem_usage)
+        _check_bool("offload.text_encoder", self.text_encoder)
+        if self.disk_path is not None and (not isinstance(self.disk_path, str) or not self.disk_path):
+            raise ConfigError(f"offload.disk_path must be a folder path (str) or None, got {self.disk_path!r}")
+        if self.record_stream and self.use_stream is False:
+            raise ConfigError("offload.record_stream=True needs offload.use_stream True or None (a side stream); "
+                              "valid record_stream with use_stream=False: [False]")
+        if self.use_stream and self.onload_device is not None and self.onload_device.startswith("cpu"):
+            raise ConfigError(f"offload.use_stream=True needs an onload device with streams (cuda, npu, xpu), got "
+                              f"onload_device={self.onload_device!r}; valid use_stream on the CPU: [None, False]")
+        if self.use_stream and self.num_blocks_per_group != 1:
+            raise ConfigError(f"offload.num_blocks_per_group={self.num_blocks_per_group} with use_stream=True: a side "
+                              "stream uploads one block at a time; valid num_blocks_per_group with use_stream: [1]")
+
+    @classmethod
+    def from_dict(cls, data):
+        """A mapping of the fields above, ``True`` (the defaults) or a device string (``"cuda:1"``)."""
+        if data is True:
+            return cls()
+        if isinstance(data, str):
+            return cls(onload_device=data)
+        return super().from_dict(data)
+
+
 @dataclass(frozen=True)
 class BoostConfig(_ConfigMixin):
     """Top-level config for ``lite_boost.boost`` / ``ParallelManager``.
@@ -422,6 +541,8 @@ class BoostConfig(_ConfigMixin):
     parallel: ParallelConfig.
     cache: CacheConfig, a mapping, a "METHOD[:PARAM=VALUE,...]" string, or None (no step caching).
     quant: QuantConfig, a mapping, a method name string, or None (full-precision Linear layers).
+    offload: OffloadConfig, a mapping, True (the defaults), a device string, or None / False (the
+        weights stay where they are).
     """
 
     attention_backend: str | None = None
@@ -430,6 +551,7 @@ class BoostConfig(_ConfigMixin):
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache: CacheConfig | None = None
     quant: QuantConfig | None = None
+    offload: OffloadConfig | None = None
 
     def __post_init__(self):
         _check_choice("attention_backend", self.attention_backend, (None,) + ATTENTION_BACKEND_NAMES)
@@ -452,6 +574,13 @@ class BoostConfig(_ConfigMixin):
         if self.quant is not None and not isinstance(self.quant, QuantConfig):
             raise ConfigError(f"quant must be a QuantConfig, a mapping, a method name {list(QUANT_METHODS)} or None, "
                               f"got {type(self.quant).__name__}")
+        if self.offload is False:
+            object.__setattr__(self, "offload", None)
+        elif self.offload is True or isinstance(self.offload, (Mapping, str)):
+            object.__setattr__(self, "offload", OffloadConfig.from_dict(self.offload))
+        if self.offload is not None and not isinstance(self.offload, OffloadConfig):
+            raise ConfigError(f"offload must be an OffloadConfig, a mapping, True / False, a device string or None, "
+                              f"got {type(self.offload).__name__}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None):
@@ -480,10 +609,16 @@ class BoostConfig(_ConfigMixin):
             return cls(cache=config)
         if isinstance(config, QuantConfig):
             return cls(quant=config)
+        if isinstance(config, OffloadConfig):
+            return cls(offload=config)
         if isinstance(config, Mapping):
             return cls.from_dict(config)
+        if isinstance(config, os.PathLike) or (isinstance(config, str) and (
+                config.lower().endswith((".yaml", ".yml")) or os.path.isfile(config))):
+            raise ConfigError(yaml_path_hint(config))
         raise ConfigError(
-            "config must be a BoostConfig, SparseConfig, ParallelConfig, CacheConfig, QuantConfig, a mapping or None, "
+            "config must be a BoostConfig, SparseConfig, ParallelConfig, CacheConfig, QuantConfig, OffloadConfig, a "
+            "mapping or None, "
             f"got {type(config).__name__}"
         )
 
@@ -586,4 +721,5 @@ def parallel_from_boost_manager(section: Any) -> dict[str, Any]:
 
 
 _NESTED = {("BoostConfig", "sparse"): SparseConfig, ("BoostConfig", "parallel"): ParallelConfig,
-           ("BoostConfig", "cache"): CacheConfig, ("BoostConfig", "quant"): QuantConfig}
+           ("BoostConfig", "cache"): CacheConfig, ("BoostConfig", "quant"): QuantConfig,
+           ("BoostConfig", "offload"): OffloadConfig}

@@ -51,7 +51,7 @@ class TinyWanSpec:
 # head_dim 128) over several thousand tokens. Two departures from Wan keep the VAE, which the boost
 # does not touch, from outweighing the denoising loop: the transformer's patch is 1 x 1 x 1 (one token
 # per latent pixel, so 4x fewer pixels per token than Wan's 1 x 2 x 2) and the VAE is 2 channels wide
-# (DEMO_VAE_BASE_DIM; the tests' default of 8 decodes about 3x slower). Measured (README, "Main job"):
+# (DEMO_VAE_BASE_DIM; the tests' default of 8 decodes about 3x slower). Measured (docs/benchmarks/main-job.md):
 # 192 x 256, 25 frames = 7 x 24 x 32 = 5,376 tokens, 10 steps.
 DEMO_SPEC = TinyWanSpec(heads=2, head_dim=128, layers=2, ffn_dim=256, patch_size=(1, 1, 1))
 DEMO_SHAPE = (192, 256, 25)  # height, width, frames -> 7 x 24 x 32 = 5,376 tokens

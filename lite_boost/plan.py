@@ -40,7 +40,7 @@ from .config import BoostConfig, ConfigError
 from .parallel.plan import PlanError
 from .registry import UnsupportedModelError, families, lookup, names_where
 
-__all__ = ["Plan", "Step", "Draft", "STEPS", "make_plan", "PlanError", "ConfigError", "UnsupportedModelError",
+__all__ = ["Plan", "Step", "Draft", "STEPS", "make_plan", "check_one_process", "PlanError", "ConfigError", "UnsupportedModelError",
            "DEFAULT_OPTION_NAMES", "PLANNER_ERRORS", "EXIT_CODES", "exit_code"]
 
 # How the planner names an option in its refusals (the command line passes its flags instead).
@@ -67,7 +67,8 @@ class Plan:
     """What one boost / parallel call will do, decided and validated before anything is touched.
 
     target_class: the target's class name (the family's pipeline class on paper).
-    config: the coerced :class:`BoostConfig`.
+    config: the coerced :class:`BoostConfig` (under ParallelManager an unset ``offload.onload_device`` is
+        the rank's device here).
     boost_fn: the registered boost function (None on paper).
     family: the named family or generic record behind it (None for a plain ``register_model`` function).
     pipeline: the family's :class:`~lite_boost.parallel.plan.PipelinePlan` when the target is one of its
@@ -173,11 +174,13 @@ def feature_error(family, feature: str, option: str) -> ConfigError:
     return error(family, feature, option)
 
 
-def _rank_device(draft: Draft):
-    """The device this rank's model will run on, for checks made before the mesh exists (None: where it is)."""
+def _rank_device(draft: Draft, move: bool | None = None):
+    """The device this rank's model will run on, for checks made before the mesh exists (None: where it is).
+
+    ``move``: whether the model goes to the rank's device (default ``draft.move_to_device``)."""
     import torch
 
-    if not draft.parallel or not draft.move_to_device:
+    if not draft.parallel or not (draft.move_to_device if move is None else move):
         return None
     if draft.mesh is not None:
         dev = draft.mesh.device
@@ -191,9 +194,29 @@ def _rank_device(draft: Draft):
 
 
 # ------------------------------------------------------------------------------------------ steps
+def check_one_process(config: BoostConfig) -> None:
+    """ConfigError with the launch hint when ``config.parallel`` asks for more than one process: ``boost`` runs
+    in the calling process only (``ParallelManager`` under torchrun is what spreads a pipeline over several)."""
+    p = config.parallel
+    need = p.processes_needed()
+    if need <= 1:
+        return
+    asked = ", ".join(f"{n}={getattr(p, n)}" for n in ("cfg_degree", "sequence_degree", "ulysses_degree",
+                                                       "ring_degree", "world_size")
+                      if getattr(p, n) not in (None, 1))
+    raise ConfigError(
+        f"parallel {asked} needs {need} processes, but boost() runs in this one process. Launch {need} processes "
+        f"(torchrun --nproc_per_node {need} your_script.py, or lite-boost generate --nproc {need}) and call "
+        "lite_boost.ParallelManager(pipe, config) in each, or drop the parallel degrees for one process"
+    )
+
+
 def _resolve_mesh(draft: Draft):
-    """World size and cfg x ulysses x ring degrees: from the mesh given, else the config and the world."""
+    """World size and cfg x ulysses x ring degrees: from the mesh given, else the config and the world
+    (``boost``: one process, every degree 1)."""
     if not draft.parallel:
+        if not draft.on_paper:
+            check_one_process(draft.config)
         return None
     mesh = draft.mesh
     if not draft.on_paper:
@@ -339,6 +362,46 @@ def _resolve_ring(draft: Draft):
     return None
 
 
+def _resolve_target(draft: Draft):
+    """The boost function and the family (named, or a generic record), the pipeline plan and the transformers.
+
+    A generic record for a class without a named family comes in here: ``lookup`` finds the boost function,
+    whose ``family`` attribute is the record (named ModelFamily or generic).
+    """
+    if draft.on_paper:
+        return None
+    target = draft.target
+    draft.target_class = type(target).__name__
+    draft.boost_fn = lookup(target)  # UnsupportedModelError (a TypeError) naming the supported classes
+    family = draft.family = getattr(draft.boost_fn, "family", None)
+    if family is None:
+        draft.models = (target,)
+        return None
+    draft.pipeline = family.pipeline if family.is_pipeline(target) else None
+    draft.models = tuple(family.transformers_of(target))
+    return None
+
+
+def _resolve_offload(draft: Draft):
+    """The onload device of ``config.offload`` (device, streams, no other offloading in place).
+
+    Under ParallelManager the blocks compute on the rank's device: an unset ``onload_device`` becomes it in
+    the plan's config.
+    """
+    off = draft.config.offload
+    if off is None or draft.on_paper:
+        return None
+    from .offload import check_offload_support
+
+    if not draft.parallel:
+        return check_offload_support(draft.target, draft.config)
+    rank = _rank_device(draft, move=True)
+    onload = check_offload_support(draft.target, draft.config, device=rank or "cpu")
+    if off.onload_device is None:
+        draft.config = draft.config.replace(offload=off.replace(onload_device=str(rank or "cpu")))
+    return onload
+
+
 def _resolve_models(draft: Draft):
     """Every transformer matches its family's attention sites and RoPE module (TypeError otherwise)."""
     if draft.on_paper or draft.family is None:
@@ -354,6 +417,7 @@ def _resolve_models(draft: Draft):
 # one function above and one line here; its applier reads ``plan.parts[name]``.
 STEPS: tuple[Step, ...] = (
     Step("mesh", _resolve_mesh),            # world size, cfg x ulysses x ring degrees
+    Step("target", _resolve_target),        # boost function, family (named or generic), pipeline plan, transformers
     Step("sparse", _resolve_sparse),        # block-sparse attention (SparseConfig or None)
     Step("sharding", _resolve_sharding),    # where each transformer's sequence is split and gathered
     Step("features", _resolve_features),    # what the family lacks
@@ -361,25 +425,13 @@ STEPS: tuple[Step, ...] = (
     Step("vae", _resolve_vae),              # the parallel-VAE adapter
     Step("cache", _resolve_cache),          # the step-cache adapter
     Step("quant", _resolve_quant),          # one QuantPlan per transformer
+    Step("offload", _resolve_offload),      # the onload device of block offloading
     Step("ring", _resolve_ring),            # kernels Ring attention can merge
     Step("models", _resolve_models),        # the transformers match the family's record
 )
 
 
 # ------------------------------------------------------------------------------------------ entry
-def _resolve_target(draft: Draft) -> None:
-    """The boost function and the family (named, or a generic record), the pipeline plan and the transformers."""
-    target = draft.target
-    draft.target_class = type(target).__name__
-    draft.boost_fn = lookup(target)  # UnsupportedModelError (a TypeError) naming the supported classes
-    family = draft.family = getattr(draft.boost_fn, "family", None)
-    if family is None:
-        draft.models = (target,)
-        return
-    draft.pipeline = family.pipeline if family.is_pipeline(target) else None
-    draft.models = tuple(family.transformers_of(target))
-
-
 def make_plan(target, config: BoostConfig | Mapping | Any = None, *, parallel: bool = False, mesh=None,
               device=None, move_to_device: bool = True, family=None, class_name: str | None = None,
               world_size: int = 1, option_names: Mapping[str, str] | None = None) -> Plan:
@@ -417,13 +469,11 @@ def make_plan(target, config: BoostConfig | Mapping | Any = None, *, parallel: b
         if family is None:
             raise TypeError("make_plan needs a target, or a family to plan on paper")
         draft.family, draft.target_class, draft.world_size = family, class_name or "", world_size
-    else:
-        _resolve_target(draft)
     for step in STEPS:
         draft.parts[step.name] = step.resolve(draft)
     if draft.mesh_error is not None:
         raise draft.mesh_error
-    return Plan(target_class=draft.target_class, config=config, boost_fn=draft.boost_fn, family=draft.family,
+    return Plan(target_class=draft.target_class, config=draft.config, boost_fn=draft.boost_fn, family=draft.family,
                 pipeline=draft.pipeline, models=draft.models, parallel=parallel, world_size=draft.world_size,
                 cfg_degree=draft.cfg_degree, ulysses_degree=draft.ulysses_degree, ring_degree=draft.ring_degree,
                 device=device, rank_device=draft.rank_device, mesh=mesh,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv, install lite-boost with its test (incl. torchao, for quantization) and video extras and build
+# Create .venv, install lite-boost with its test (incl. torchao, for quantization), video and docs extras and build
 # its C++ operator library.
 # torch is installed first, pinned, so that no other requirement pulls a different (multi-GB) build.
 # On a CUDA or Ascend machine set LITE_BOOST_TORCH to the torch you want (or "skip" to keep one
@@ -16,7 +16,7 @@ fi
 if [ "$TORCH_SPEC" != "skip" ]; then
   "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
 fi
-"$VENV/bin/python" -m pip install -q -e ".[test,video]"
+"$VENV/bin/python" -m pip install -q -e ".[test,video,docs]"
 # Compile the C++ operator library (csrc/) with this torch, ahead of first use. Without a compiler this
 # only warns (the Python backends serve); with LITE_BOOST_REQUIRE_EXT=1 (CI) a failed build fails setup.
 MAX_JOBS=${MAX_JOBS:-2} "$VENV/bin/python" -m lite_boost.ops._ext

@@ -19,9 +19,9 @@ from lite_boost.config import BoostConfig, ConfigError, ParallelConfig
 from lite_boost.parallel.vae import UnsupportedVAEError, plan_chunks, split_rows, vae_adapter_for
 
 TOL = 1e-5
-# The README's seam-study claim at the default overlap (trained small VAE, 2 ranks): see README.
+# The seam-study claim at the default overlap (trained small VAE, 2 ranks): see docs/benchmarks/vae.md.
 SEAM_PSNR_DB = 20.0
-# Encode seams at the default encode overlap (README): the seam latent frame's PSNR against the
+# Encode seams at the default encode overlap (docs/benchmarks/vae.md): the seam latent frame's PSNR against the
 # sequential encode (peak = the latents' range) and the decoded pixels of that frame.
 ENCODE_SEAM_LATENT_PSNR_DB = 17.0
 ENCODE_SEAM_PIXEL_PSNR_DB = 25.0
@@ -306,7 +306,7 @@ def test_trained_vae_seams_meet_readme_psnr():
         assert r["overlap"] == r["default"]
         assert r["chunk0_equal"], r
         assert r["seams"] and min(r["seams"]) >= SEAM_PSNR_DB, r
-        assert r["recon"] > 8.0, r  # the trained weights load and decode (see the README: a weak codec)
+        assert r["recon"] > 8.0, r  # the trained weights load and decode (see docs/benchmarks/vae.md: a weak codec)
         assert r["enc_overlap"] == r["enc_default"]
         assert r["enc_chunk0_equal"], r
         assert r["enc_seams"] and min(r["enc_seams"]) >= ENCODE_SEAM_LATENT_PSNR_DB, r

@@ -11,6 +11,8 @@ knows a particular model. What ``boost_model(family, model, config)`` changes, o
 * block-sparse attention (``config.sparse``) and diffusers' step-cache hooks (``config.cache``);
 * quantized Linear layers (``config.quant``, :mod:`lite_boost.quant`): the family's default
   ``quant_patterns`` or the config's own patterns; the original weights are kept for ``unboost``;
+* block-level offload to host memory (``config.offload``, :mod:`lite_boost.offload`): diffusers'
+  group-offloading hooks on the blocks (and, for a pipeline, on its text encoders);
 * with a family ``call_args`` / ``call_context``: a forward pre-hook rewriting the call's arguments
   and recording the context as ``BoostState.call`` for the duration of each call (a forward hook
   that always runs clears it again);
@@ -30,6 +32,7 @@ from typing import Callable
 import torch
 
 from ..config import BoostConfig
+from ..offload import offload_module, offload_pipeline, reapply_user_offload, remove_offload, resolve_onload_device
 from ..ops.rope import RopeCache
 from ..quant import check_uninstall_quant, install_quant, uninstall_quant
 from .cache import install_cache, uninstall_cache
@@ -133,12 +136,13 @@ def check_model(family, model) -> list:
     return sites
 
 
-def boost_model(family, model, config: BoostConfig | None = None, *, plan=None):
+def boost_model(family, model, config: BoostConfig | None = None, onload_device=None, *, plan=None):
     """Boost one transformer of ``family`` in place and return it (idempotent for an equal config).
 
-    ``plan``: a :class:`lite_boost.plan.Plan` that validated this model already (its config is used and
-    nothing is checked again); without one, the model and config are checked here.
-    """
+    ``onload_device``: where offloaded blocks compute (``config.offload``; None = resolved from the
+    config and the model, :func:`lite_boost.offload.resolve_onload_device`). ``plan``: a
+    :class:`lite_boost.plan.Plan` that validated this model already (its config and quantization are used and
+    nothing is checked again); without one, the model and config are checked here."""
     if plan is None:
         config = BoostConfig.coerce(config)
         sites = check_model(family, model)
@@ -151,10 +155,14 @@ def boost_model(family, model, config: BoostConfig | None = None, *, plan=None):
         if state.config == config and state.family is family:
             return model
         unboost_model(model)
+    if config.offload is not None and onload_device is None:
+        onload_device = resolve_onload_device(config.offload, model)
 
     state = BoostState(config=config, rope_cache=RopeCache(config.rope_cache_size), family=family)
     # first: on failure it leaves the model as it was
     install_quant(model, state, plan.part("quant", model) if plan is not None else None)
+    if config.quant is not None:
+        reapply_user_offload(model)  # the user's own group offloading follows the new weight tensors
     for name, module, site, layer in sites:
         proc = site.processor(layer, site.role, config.attention_backend)
         proc.text_first = family.joint != "image_first"
@@ -169,6 +177,8 @@ def boost_model(family, model, config: BoostConfig | None = None, *, plan=None):
             rope.forward = family.rope.forward(rope, state)
             state.rope_patched = True
     install_sparse(model, state)  # block-sparse self-attention when config.sparse asks for it
+    if config.offload is not None:  # before the step cache: a skipped block is then not uploaded either
+        offload_module(model, config.offload, onload_device)
     install_cache(model, state, checked=plan is not None)  # diffusers' step-cache hooks when config.cache asks
     setattr(model, STATE_ATTR, state)
     return model
@@ -180,6 +190,8 @@ def unboost_model(model):
     if state is None:
         return model
     check_uninstall_quant(state)  # QuantError before anything is undone when the weights were not kept
+    uninstall_cache(model, state)
+    remove_offload(model)  # weights back home (before the quantized weights are swapped back)
     for name, proc in state.original_processors.items():
         model.get_submodule(name).set_processor(proc)
     family = state.family
@@ -188,8 +200,9 @@ def unboost_model(model):
         if "forward" in rope.__dict__:
             del rope.forward
     uninstall_sparse(model, state)
-    uninstall_cache(model, state)
     uninstall_quant(model, state)
+    if state.config.quant is not None:
+        reapply_user_offload(model)
     for handle in state.hooks:
         handle.remove()
     state.hooks.clear()
@@ -223,12 +236,11 @@ def pipeline_transformers(family, pipe) -> list[tuple[str, object]]:
     return found
 
 
-def boost_pipeline(family, pipe, config: BoostConfig | None = None, *, plan=None):
-    """Boost every transformer of a pipeline of ``family`` (checked first, then boosted).
-
+def boost_pipeline(family, pipe, config: BoostConfig | None = None, onload_device=None, *, plan=None):
+    """Boost every transformer of a pipeline of ``family`` (checked first, then boosted); with
+    ``config.offload`` its text encoders are offloaded too and its other modules go to the onload device.
     ``plan``: a :class:`lite_boost.plan.Plan` of this pipeline (its transformers and config are used,
-    nothing is checked again).
-    """
+    nothing is checked again)."""
     if plan is None:
         config = BoostConfig.coerce(config)
         transformers = [m for _, m in pipeline_transformers(family, pipe)]
@@ -236,14 +248,18 @@ def boost_pipeline(family, pipe, config: BoostConfig | None = None, *, plan=None
             check_model(family, module)
             family.check_config(config, module)
     else:
-        transformers = plan.models
+        config, transformers = plan.config, plan.models
+    if config.offload is not None and onload_device is None:
+        onload_device = resolve_onload_device(config.offload, transformers[0])
     for module in transformers:
-        boost_model(family, module, config, plan=plan)
+        boost_model(family, module, config, onload_device, plan=plan)
         attach_pipeline(module, pipe)  # the sparse schedule follows pipe.scheduler's step
+    offload_pipeline(pipe, config.offload, family.pipeline.transformers, onload_device)
     return pipe
 
 
 def unboost_pipeline(family, pipe):
     for _, module in pipeline_transformers(family, pipe):
         unboost_model(module)
+    offload_pipeline(pipe, None, family.pipeline.transformers)
     return pipe

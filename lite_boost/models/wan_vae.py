@@ -38,7 +38,7 @@ from ..parallel.vae import SpatialLayout, VAEAdapter, register_vae_adapter
 
 __all__ = ["WanVAEAdapter", "QwenImageVAEAdapter", "WAN_VAE_DEFAULT_OVERLAP", "WAN_VAE_DEFAULT_ENCODE_OVERLAP"]
 
-# Chosen from the seam study on the trained small Wan VAE (README, "Parallel VAE"): decode seams at
+# Chosen from the seam study on the trained small Wan VAE (docs/benchmarks/vae.md): decode seams at
 # overlap 2 are >= 29 dB PSNR against the sequential decode (the VAE's own reconstruction error is far
 # larger) and 2 warm-up frames keep 2 ranks near 1.8x in the cost model. The encoder's reach is finite
 # (3-tap causal convolutions, two stride-2 temporal downsamplings): its seam error falls ~10 dB per

@@ -511,9 +511,10 @@ def rain_fusion_attention(query, key, value, select_idx, select_num_idx, block_s
         without its last axis ((T, N1) or (B, N1, S)), -inf for rows that select nothing.
 
     Raises:
-        TypeError / ValueError naming the argument, before any kernel runs, for bad layouts,
-        shapes, dtypes, heads, select arrays (out of range, unsorted, bad padding) or
-        unsupported contract options; SparseBackendError if a forced backend cannot run.
+        ValueError: (or TypeError) naming the argument, before any kernel runs, for bad layouts,
+            shapes, dtypes, heads, select arrays (out of range, unsorted, bad padding) or
+            unsupported contract options.
+        SparseBackendError: if a forced backend cannot run.
     """
     p = _validate(query, key, value, select_idx, select_num_idx, block_shape, attn_mask, actual_seq_lengths,
                   actual_seq_lengths_kv, block_table, q_input_layout, kv_input_layout, num_key_value_heads,

@@ -11,7 +11,7 @@ the same over groups of video frames. This module spreads that work over the ran
     preceding latent frames (its first warm-up frame plays the role of frame 0), drops that warm-up
     output, then decodes its own frames. The chunk starting at frame 0 runs exactly like the
     sequential decode (bit-identical); the others differ from it only by what the cache forgot,
-    which the seam study in the README measures on a trained VAE. Each rank concatenates its
+    which the seam study in docs/benchmarks/vae.md measures on a trained VAE. Each rank concatenates its
     chunks, pads them to the longest rank's length and ONE all_gather (or gather to rank 0) of
     those equal-size buffers assembles the video in frame order. Every rank takes part in the
     collective even when it owns no chunk, so fewer chunks than ranks never hang.

@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .config import BoostConfig
-from .plan import Plan, check_one_process, make_plan
+from .plan import Plan, check_one_process, check_weight_sharding, make_plan, tensor_parallel_plan
 from .registry import family_of, lookup
 
 __all__ = ["boost", "unboost", "is_boosted", "ParallelManager", "apply_plan", "apply_parallel_plan",
-           "check_one_process"]
+           "check_one_process", "check_weight_sharding", "tensor_parallel_plan"]
 
 
 def boost(target, config=None):
@@ -104,4 +104,4 @@ def apply_parallel_plan(target, plan: Plan, *, init_method: str | None = None):
     if move and config.quant is None:
         target.to(mesh.device)
     return parallelize(target, list(plan.models), list(plan.parts["sharding"]), plan.pipeline, config, mesh,
-                       vae_adapter=plan.parts["vae"])
+                       vae_adapter=plan.parts["vae"], tp_plans=list(plan.parts["weights"]))

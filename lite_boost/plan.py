@@ -40,7 +40,8 @@ from .config import BoostConfig, ConfigError
 from .parallel.plan import PlanError
 from .registry import UnsupportedModelError, families, lookup, names_where
 
-__all__ = ["Plan", "Step", "Draft", "STEPS", "make_plan", "check_one_process", "PlanError", "ConfigError", "UnsupportedModelError",
+__all__ = ["Plan", "Step", "Draft", "STEPS", "make_plan", "check_one_process", "check_weight_sharding",
+           "tensor_parallel_plan", "PlanError", "ConfigError", "UnsupportedModelError",
            "DEFAULT_OPTION_NAMES", "PLANNER_ERRORS", "EXIT_CODES", "exit_code"]
 
 # How the planner names an option in its refusals (the command line passes its flags instead).
@@ -201,8 +202,8 @@ def check_one_process(config: BoostConfig) -> None:
     need = p.processes_needed()
     if need <= 1:
         return
-    asked = ", ".join(f"{n}={getattr(p, n)}" for n in ("cfg_degree", "sequence_degree", "ulysses_degree",
-                                                       "ring_degree", "world_size")
+    asked = ", ".join(f"{n}={getattr(p, n)}" for n in ("cfg_degree", "tp_degree", "fsdp_degree", "sequence_degree",
+                                                       "ulysses_degree", "ring_degree", "world_size")
                       if getattr(p, n) not in (None, 1))
     raise ConfigError(
         f"parallel {asked} needs {need} processes, but boost() runs in this one process. Launch {need} processes "
@@ -402,6 +403,52 @@ def _resolve_offload(draft: Draft):
     return onload
 
 
+def tensor_parallel_plan(model, family=None):
+    """The tensor-parallel plan of ``model``: its family record's, else diffusers' ``_tp_plan`` (None: none)."""
+    from .parallel.shard import TensorParallelPlan
+    from .registry import family_of
+
+    record = family if family is not None else family_of(model)
+    plan = getattr(record, "tensor_parallel", None)
+    return plan if plan is not None else TensorParallelPlan.from_diffusers(getattr(model, "_tp_plan", None))
+
+
+def check_weight_sharding(target, models, config: BoostConfig, world_size: int, *, cfg_degree: int = 1,
+                          tp_degree: int = 1, fsdp_degree: int = 1, family=None) -> list:
+    """Can ``models`` be split over ``tp_degree`` / ``fsdp_degree`` ranks of ``world_size``? ConfigError naming
+    the valid degrees, before any collective. Returns the models' tensor-parallel plans (one per model)."""
+    from .parallel.shard import check_fsdp, check_tensor_parallel
+
+    tp_plans = [tensor_parallel_plan(m, family) for m in models] if tp_degree > 1 else [None] * len(models)
+    if tp_degree > 1:
+        if config.quant is not None:
+            raise ConfigError(f"tp_degree={tp_degree} with quant={config.quant.method!r}: torchao's quantized "
+                              "weights cannot be split into DTensor shards. Valid: tp_degree=1 with quant, or "
+                              "quant=None with tp_degree")
+        rest = world_size // cfg_degree if world_size % cfg_degree == 0 else world_size
+        candidates = [d for d in range(1, rest + 1) if rest % d == 0]
+        for model, plan in zip(models, tp_plans):
+            check_tensor_parallel(model, plan, tp_degree, candidates)
+    check_fsdp(type(target).__name__, [(type(m).__name__, m) for m in models], fsdp_degree, config.quant)
+    return tp_plans
+
+
+def _resolve_weights(draft: Draft):
+    """Weight sharding: one tensor-parallel plan per transformer (None entries with tp_degree 1); the
+    tp / fsdp degrees checked against the heads, widths and blocks."""
+    if not draft.parallel or draft.on_paper:
+        return None
+    if draft.mesh is not None:
+        tp, fsdp = draft.mesh.tp_degree, draft.mesh.fsdp_degree
+    else:
+        tp, fsdp = draft.config.parallel.tp_degree, draft.config.parallel.fsdp_degree
+        if (tp > 1 or fsdp > 1) and draft.mesh_error is not None:
+            raise draft.mesh_error  # weight-sharding degrees that do not fit the world first
+    return tuple(check_weight_sharding(draft.target, draft.models, draft.config, draft.world_size,
+                                       cfg_degree=draft.cfg_degree, tp_degree=tp, fsdp_degree=fsdp,
+                                       family=draft.family))
+
+
 def _resolve_models(draft: Draft):
     """Every transformer matches its family's attention sites and RoPE module (TypeError otherwise)."""
     if draft.on_paper or draft.family is None:
@@ -427,6 +474,7 @@ STEPS: tuple[Step, ...] = (
     Step("quant", _resolve_quant),          # one QuantPlan per transformer
     Step("offload", _resolve_offload),      # the onload device of block offloading
     Step("ring", _resolve_ring),            # kernels Ring attention can merge
+    Step("weights", _resolve_weights),      # tensor-parallel plans, FSDP degree
     Step("models", _resolve_models),        # the transformers match the family's record
 )
 

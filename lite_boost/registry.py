@@ -34,6 +34,7 @@ __all__ = [
     "load_builtin_adapters",
     "lookup",
     "names_where",
+    "register_fallback",
     "register_family",
     "register_model",
     "supported_model_names",
@@ -42,12 +43,15 @@ __all__ = [
 BoostFn = Callable[..., object]
 F = TypeVar("F", bound=BoostFn)
 
-# Modules whose import registers the built-in adapters (model families and parallel-VAE adapters).
-BUILTIN_ADAPTERS = ("lite_boost.models",)
+# Modules whose import registers the built-in adapters (model families and parallel-VAE adapters, then the
+# generic path for classes no family registers).
+BUILTIN_ADAPTERS = ("lite_boost.models", "lite_boost.adapter.generic")
 
 # Filled at import by the adapters' ``register_family`` / ``register_model`` calls.
 SUPPORTED_MODELS: dict[str, BoostFn] = {}
 _FAMILIES: dict[str, object] = {}  # family name -> description, in registration order
+# name -> (boost function or None for a target no family registers, why not or None): consulted in order
+_FALLBACKS: dict[str, tuple[Callable[[object], BoostFn | None], Callable[[object], str | None]]] = {}
 _LOADED: list[bool] = [False]  # the built-in adapters were imported (a list: no rebinding of a global)
 
 
@@ -91,6 +95,18 @@ def register_family(family, *, replace: bool = False):
     return family
 
 
+def register_fallback(name: str, find: Callable[[object], BoostFn | None],
+                      why_not: Callable[[object], str | None] | None = None) -> None:
+    """Register a path for targets whose class no family registered (the generic path).
+
+    ``find(target)`` returns a boost function (with ``.unboost`` and ``.family``) or None; ``why_not(target)``
+    says why it returns None (it goes into the lookup error). Registered families always win.
+    """
+    if not isinstance(name, str) or not name or not callable(find):
+        raise TypeError("register_fallback needs a name and a callable find(target)")
+    _FALLBACKS[name] = (find, why_not or (lambda target: None))
+
+
 def load_builtin_adapters() -> None:
     """Import the built-in adapters once (their import registers them)."""
     if _LOADED[0]:
@@ -116,8 +132,18 @@ def lookup(target: object) -> BoostFn:
         fn = SUPPORTED_MODELS.get(cls.__name__)
         if fn is not None:
             return fn
+    reasons = []
+    for name, (find, why_not) in _FALLBACKS.items():
+        fn = find(target)
+        if fn is not None:
+            return fn
+        why = why_not(target)
+        if why:
+            reasons.append(f"{name} path: {why}")
     raise UnsupportedModelError(
-        f"lite_boost has no adapter for {type(target).__name__}; supported classes: {supported_model_names()}. "
+        f"lite_boost has no adapter for {type(target).__name__}"
+        + (f" ({'; '.join(reasons)})" if reasons else "")
+        + f"; supported classes: {supported_model_names()}. "
         "Describe the family with lite_boost.adapter.ModelFamily and lite_boost.registry.register_family "
         "(or register a boost function with lite_boost.models.register_model)."
     )

@@ -133,17 +133,43 @@ def make_torch_npu():
         return out.transpose(1, 2) if input_layout == "BNSD" else out
 
     def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_mask=None,
-                                        actual_seq_lengths=None, actual_seq_lengths_kv=None, num_heads=1,
-                                        scale=1.0, pre_tokens=2147483647, next_tokens=2147483647,
-                                        input_layout="BSH", num_key_value_heads=0, sparse_mode=0, inner_precise=0,
-                                        block_size=0, softmax_lse_flag=False, **unused):
-        """Documented: (attention_out, softmax_lse); softmax_lse (B, N, S, 1) fp32 when softmax_lse_flag."""
+                                        actual_seq_lengths=None, actual_seq_lengths_kv=None, dequant_scale1=None,
+                                        quant_scale1=None, dequant_scale2=None, quant_scale2=None,
+                                        quant_offset2=None, num_heads=1, scale=1.0, pre_tokens=2147483647,
+                                        next_tokens=2147483647, input_layout="BSH", num_key_value_heads=0,
+                                        sparse_mode=0, inner_precise=0, block_size=0, softmax_lse_flag=False,
+                                        **unused):
+        """Documented: (attention_out, softmax_lse); softmax_lse (B, N, S, 1) fp32 when softmax_lse_flag.
+
+        Full quantization (query length > 1, Atlas A2 / A3): int8 query, key and value with the
+        per-tensor factors dequant_scale1 (after BMM1, Q K^T), quant_scale1 (before BMM2: the softmax
+        probabilities, in [0, 1] before normalisation, are quantized to int8 with it) and dequant_scale2
+        (after BMM2), float32 (or uint64), all three present; without quant_scale2 / quant_offset2 the
+        output is float16. Inputs containing int8 need a head dim that is a multiple of 32.
+        """
         if input_layout != "BSND":
             raise NotImplementedError("spec covers input_layout BSND")
-        if query.dtype not in (torch.float16, torch.bfloat16):
-            raise TypeError(f"query dtype must be float16 or bfloat16, got {query.dtype}")
         if unused:
             raise TypeError(f"npu_fused_infer_attention_score() got unexpected keyword arguments {sorted(unused)}")
+        quant = (dequant_scale1, quant_scale1, dequant_scale2)
+        if query.dtype == torch.int8:
+            if key.dtype != torch.int8 or value.dtype != torch.int8:
+                raise TypeError("full quantization needs int8 query, key and value")
+            if any(t is None for t in quant):
+                raise ValueError("int8 inputs need dequant_scale1, quant_scale1 and dequant_scale2 together")
+            if quant_scale2 is not None or quant_offset2 is not None:
+                raise NotImplementedError("spec covers the float16-output full-quantization scenario")
+            for name, t in zip(("dequant_scale1", "quant_scale1", "dequant_scale2"), quant):
+                if t.numel() != 1 or t.dtype not in ((torch.float32,) if name == "quant_scale1"
+                                                     else (torch.float32, torch.uint64)):
+                    raise ValueError(f"{name} must be a per-tensor float32 factor, got {t.dtype} {tuple(t.shape)}")
+            if query.shape[-1] % 32:
+                raise ValueError(f"int8 inputs need D aligned to 32, got {query.shape[-1]}")
+        elif query.dtype in (torch.float16, torch.bfloat16):
+            if any(t is not None for t in quant):
+                raise ValueError("dequant_scale1 / quant_scale1 / dequant_scale2 are for int8 inputs only")
+        else:
+            raise TypeError(f"query dtype must be float16, bfloat16 or int8, got {query.dtype}")
         kvh = num_key_value_heads or num_heads
         if query.shape[2] != num_heads or key.shape[2] != kvh:
             raise ValueError("num_heads / num_key_value_heads do not match the tensors")
@@ -152,8 +178,21 @@ def make_torch_npu():
         i = torch.arange(query.shape[1])[:, None]
         j = torch.arange(key.shape[1])[None, :]
         allowed = (j >= i - pre_tokens) & (j <= i + next_tokens)
-        out = reference_attention(query, key, value, scale, allowed).to(query.dtype)
-        lse = reference_lse(query, key, scale, allowed).float()[..., None] if softmax_lse_flag else torch.zeros(1)
+        if query.dtype != torch.int8:
+            out = reference_attention(query, key, value, scale, allowed).to(query.dtype)
+            lse = reference_lse(query, key, scale, allowed).float()[..., None] if softmax_lse_flag else torch.zeros(1)
+            return out, lse
+        g = num_heads // kvh
+        k8 = key.double().repeat_interleave(g, dim=2)
+        v8 = value.double().repeat_interleave(g, dim=2)
+        logits = torch.einsum("bqnd,bknd->bnqk", query.double(), k8) * float(dequant_scale1) * scale
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        m = logits.amax(dim=-1, keepdim=True)
+        p = torch.exp(logits - m)
+        p8 = torch.round(p * float(quant_scale1)).clamp(-128, 127)
+        o = torch.einsum("bnqk,bknd->bqnd", p8, v8) * float(dequant_scale2)
+        out = (o / p.sum(-1).permute(0, 2, 1)[..., None]).to(torch.float16)
+        lse = (m + torch.log(p.sum(-1, keepdim=True))).float() if softmax_lse_flag else torch.zeros(1)
         return out, lse
 
     return _module("torch_npu", npu_prompt_flash_attention=npu_prompt_flash_attention,

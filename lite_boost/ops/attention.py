@@ -1,5 +1,10 @@
 """Dense attention dispatch: FA3 -> FA2 -> Ascend prompt flash attention -> PyTorch SDPA.
 
+With ``precision="int8"`` the order is SageAttention (CUDA) -> Ascend fused attention in its int8
+mode; with ``precision="fp8"`` FlashAttention-3 FP8 -> SageAttention FP8 (both CUDA); see
+``_attention_lowp.py`` for the argument mapping of each. No silent fallback to full precision: a
+precision nothing here can run raises and says why for each backend.
+
 Each backend declares the devices, dtypes and head dims it accepts and how to find out whether it
 is installed. ``attention(q, k, v)`` picks the first backend that can run the call; the choice is
 cached per (device, dtype, head_dim, key mask, request) signature and logged once with the reason.
@@ -9,17 +14,14 @@ can be forced per call (``backend="sdpa"``), for a block of code (``with attenti
 or for the process (environment variable ``LITE_BOOST_ATTN_BACKEND``). Forcing a backend that
 cannot run raises :class:`AttentionBackendError` saying why and listing the usable ones.
 
-Optional packages (flash_attn, flash_attn_interface, torch_npu) are imported lazily, on the first
+Optional packages (flash_attn, flash_attn_interface, sageattention, torch_npu) are imported lazily, on the first
 call that could use them; their absence never breaks ``import lite_boost``.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import logging
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,8 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ATTENTION_BACKEND_NAMES
+from . import _attention_lowp as _lowp_impl
 from ._checks import check_qkv_tensors
 from ._errors import AttentionBackendError
+from ._lowp import PRECISIONS, check_precision
+from ._optional import import_optional as _import_optional
+from ._optional import module_or_none as _module_or_none
 from ._override import BackendOverride, raise_when_run
 
 __all__ = [
@@ -37,6 +43,7 @@ __all__ = [
     "BACKENDS",
     "ENV_VAR",
     "LAYOUTS",
+    "PRECISIONS",
     "attention",
     "attention_backend",
     "available_backends",
@@ -50,8 +57,16 @@ logger = logging.getLogger("lite_boost.attention")
 ENV_VAR = "LITE_BOOST_ATTN_BACKEND"
 LAYOUTS = ("BSND", "BNSD")
 _AUTO_ORDER = ("fa3", "fa2", "npu", "sdpa")
+# Automatic order per requested precision ("auto" = full precision, today's behaviour). Low-precision
+# backends are only chosen when a precision asks for them (or when forced by name).
+_ORDERS = {
+    "auto": _AUTO_ORDER,
+    "int8": ("sage", "npu_int8"),
+    "fp8": ("fa3_fp8", "sage_fp8"),
+}
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+_LOWP_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # float32 runs the kernel in bfloat16
 _FULL_WINDOW = 2147483647  # pre/next tokens for full bidirectional attention on Ascend
 
 
@@ -59,25 +74,6 @@ _FULL_WINDOW = 2147483647  # pre/next tokens for full bidirectional attention on
 # --------------------------------------------------------------------------------------------- #
 # Optional-package probing                                                                       #
 # --------------------------------------------------------------------------------------------- #
-
-
-@functools.lru_cache(maxsize=None)
-def _import_optional(module: str):
-    """Import ``module`` or return the reason it cannot be imported (a str)."""
-    try:
-        if importlib.util.find_spec(module) is None:
-            return f"{module} is not installed"
-    except (ImportError, ValueError) as exc:  # a broken parent package
-        return f"{module} cannot be located ({exc.__class__.__name__}: {exc})"
-    try:
-        return importlib.import_module(module)
-    except (ImportError, RuntimeError, OSError) as exc:
-        return f"{module} is installed but failed to import ({exc.__class__.__name__}: {exc})"
-
-
-def _module_or_none(module: str):
-    mod = _import_optional(module)
-    return None if isinstance(mod, str) else mod
 
 
 def _probe_fa3() -> str | None:
@@ -268,10 +264,14 @@ class BackendSpec:
     description: str
     lse_impl: Callable[..., tuple] | None = None  # (out, lse) variant for Ring attention; None = no lse
     supports_key_mask: bool = False  # takes a (B, S_k) boolean key-padding mask
+    precision: str = "auto"  # "auto" = full precision; "int8" / "fp8": what the kernel computes in
 
     def rejects(self, device_type: str, dtype: torch.dtype, head_dim: int, heads: int, gqa: bool,
-                masked: bool = False, need_lse: bool = False) -> str | None:
+                masked: bool = False, need_lse: bool = False, precision: str = "auto") -> str | None:
         """The reason this backend cannot run the call, or None. Cheap checks first, probing last."""
+        if precision != "auto" and self.precision != precision:
+            return (f"computes in {'full precision' if self.precision == 'auto' else self.precision}, "
+                    f"not {precision} (precision={precision!r})")
         if need_lse and self.lse_impl is None:
             return "cannot return the log-sum-exp (needed by Ring attention)"
         if device_type not in self.devices:
@@ -309,6 +309,22 @@ BACKENDS: dict[str, BackendSpec] = {
                     _probe_sdpa, _sdpa_impl, "torch.nn.functional.scaled_dot_product_attention; with the "
                     "log-sum-exp: aten's CPU flash / CUDA flash or memory-efficient kernel", _sdpa_lse,
                     supports_key_mask=True),
+        BackendSpec("sage", ("cuda",), _LOWP_DTYPES, 128, 1, None, True, _lowp_impl.probe_sage,
+                    _lowp_impl.sage_impl, "SageAttention int8 Q/K (K smoothed), fp16 P/V, fp32 accumulation "
+                    "(sageattention.sageattn_qk_int8_pv_fp16_cuda), compute capability >= 8.0",
+                    _lowp_impl.sage_lse, precision="int8"),
+        BackendSpec("sage_fp8", ("cuda",), _LOWP_DTYPES, 128, 1, None, True, _lowp_impl.probe_sage_fp8,
+                    _lowp_impl.sage_fp8_impl, "SageAttention int8 Q/K, FP8 P/V (sageattention."
+                    "sageattn_qk_int8_pv_fp8_cuda[_sm90]), sm89 / sm90 / sm120", _lowp_impl.sage_fp8_lse,
+                    precision="fp8"),
+        BackendSpec("fa3_fp8", ("cuda",), _LOWP_DTYPES, 256, 16, None, True, _lowp_impl.probe_fa3_fp8,
+                    _lowp_impl.fa3_fp8_impl, "FlashAttention-3 on float8_e4m3 Q/K/V with per-(batch, KV head) "
+                    "descale factors (flash_attn_interface.flash_attn_func), Hopper GPUs", _lowp_impl.fa3_fp8_lse,
+                    precision="fp8"),
+        BackendSpec("npu_int8", ("npu",), _LOWP_DTYPES, 512, 32, 256, True, _probe_npu, _lowp_impl.npu_int8_impl,
+                    "Ascend fused inference attention in its documented full-quantization mode (int8 Q/K/V, "
+                    "per-tensor dequant_scale1 / quant_scale1 / dequant_scale2; torch_npu."
+                    "npu_fused_infer_attention_score)", _lowp_impl.npu_int8_lse, precision="int8"),
     )
 }
 assert tuple(BACKENDS) == ATTENTION_BACKEND_NAMES
@@ -326,12 +342,15 @@ _OVERRIDE = BackendOverride(ATTENTION_BACKEND_NAMES, ENV_VAR, "attention_backend
 @functools.lru_cache(maxsize=512)
 def _decide(device_type: str, dtype: torch.dtype, head_dim: int, heads: int, gqa: bool,
             requested: str | None, how: str, masked: bool = False,
-            need_lse: bool = False) -> tuple[str | None, str | None]:
+            need_lse: bool = False, precision: str = "auto") -> tuple[str | None, str | None]:
     """(backend name, None) or (None, error message) for a call signature; logs each choice once."""
-    reasons = {n: BACKENDS[n].rejects(device_type, dtype, head_dim, heads, gqa, masked, need_lse)
-               for n in _AUTO_ORDER}
+    order = _ORDERS[precision]
+    names = order + tuple(n for n in BACKENDS if n not in order)
+    reasons = {n: BACKENDS[n].rejects(device_type, dtype, head_dim, heads, gqa, masked, need_lse, precision)
+               for n in names}
     sig = (f"{device_type}/{str(dtype).replace('torch.', '')}/head_dim={head_dim}/heads={heads}"
-           + ("/key_mask" if masked else "") + ("/with lse" if need_lse else ""))
+           + ("/key_mask" if masked else "") + ("/with lse" if need_lse else "")
+           + (f"/precision={precision}" if precision != "auto" else ""))
     if requested is not None:
         why = reasons[requested]
         if why is not None:
@@ -340,15 +359,21 @@ def _decide(device_type: str, dtype: torch.dtype, head_dim: int, heads: int, gqa
                           f"Usable backends for this call: {usable}")
         logger.info("lite_boost attention: using %r for %s (%s)", requested, sig, how)
         return requested, None
-    for name in _AUTO_ORDER:
+    for name in order:
         if reasons[name] is None:
-            skipped = "; ".join(f"{n}: {reasons[n]}" for n in _AUTO_ORDER[: _AUTO_ORDER.index(name)])
+            skipped = "; ".join(f"{n}: {reasons[n]}" for n in order[: order.index(name)])
             logger.info(
                 "lite_boost attention: using %r for %s (first usable in %s%s)",
-                name, sig, " -> ".join(_AUTO_ORDER), f"; skipped {skipped}" if skipped else "",
+                name, sig, " -> ".join(order), f"; skipped {skipped}" if skipped else "",
             )
             return name, None
-    return None, f"no attention backend can run {sig}: " + "; ".join(f"{n}: {r}" for n, r in reasons.items())
+    msg = f"no attention backend can run {sig}: " + "; ".join(f"{n}: {reasons[n]}" for n in order)
+    if precision != "auto":
+        full = [n for n in _AUTO_ORDER
+                if BACKENDS[n].rejects(device_type, dtype, head_dim, heads, gqa, masked, need_lse) is None]
+        msg += (f". No {precision} attention kernel is available for {device_type} here; precision='auto' "
+                f"(full precision) would run this call on {full}")
+    return None, msg
 
 
 # Under torch.compile the choice is made once, in Python, while the graph is traced, and enters the graph
@@ -360,39 +385,48 @@ def _decide_traced(*signature) -> tuple[str | None, str | None]:
 
 
 def _signature(q: torch.Tensor, k: torch.Tensor | None, layout: str, backend: str | None,
-               masked: bool = False, need_lse: bool = False) -> tuple:
+               masked: bool = False, need_lse: bool = False, precision: str = "auto") -> tuple:
     heads_axis = 2 if layout == "BSND" else 1
     kv_heads = (k if k is not None else q).shape[heads_axis]
     requested, how = _OVERRIDE.requested(backend)
     return (q.device.type, q.dtype, q.shape[-1], q.shape[heads_axis], kv_heads != q.shape[heads_axis], requested, how,
-            masked, need_lse)
+            masked, need_lse, precision)
 
 
 def select_backend(q: torch.Tensor, k: torch.Tensor | None = None, *, layout: str = "BSND",
-                   backend: str | None = None, masked: bool = False, return_lse: bool = False) -> str:
+                   backend: str | None = None, masked: bool = False, return_lse: bool = False,
+                   precision: str = "auto") -> str:
     """Name of the backend ``attention`` would use for these tensors (raises if a forced one cannot run).
 
     ``masked``: the call passes a ``key_mask`` (only backends with key-padding mask support qualify);
-    ``return_lse``: the call asks for the log-sum-exp (only backends that return it qualify).
+    ``return_lse``: the call asks for the log-sum-exp (only backends that return it qualify);
+    ``precision``: "auto", "int8" or "fp8" (see :func:`attention`).
     """
     layout = _check_layout(layout)
-    name, error = _decide(*_signature(q, k, layout, backend, masked, return_lse))
+    precision = check_precision(precision)
+    name, error = _decide(*_signature(q, k, layout, backend, masked, return_lse, precision))
     if error is not None:
         raise AttentionBackendError(error)
     return name
 
 
 def available_backends(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                       head_dim: int = 128, heads: int = 8, masked: bool = False) -> dict[str, str | None]:
-    """Map backend name -> None if usable for this signature (``masked``: with a key mask), else why not."""
+                       head_dim: int = 128, heads: int = 8, masked: bool = False,
+                       precision: str = "auto") -> dict[str, str | None]:
+    """Map backend name -> None if usable for this signature (``masked``: with a key mask), else why not.
+
+    ``precision="auto"`` lists the full-precision backends; "int8" / "fp8" those of that precision.
+    """
     device_type = torch.device(device).type
-    return {n: BACKENDS[n].rejects(device_type, dtype, head_dim, heads, False, masked) for n in _AUTO_ORDER}
+    precision = check_precision(precision)
+    return {n: BACKENDS[n].rejects(device_type, dtype, head_dim, heads, False, masked, False, precision)
+            for n in _ORDERS[precision]}
 
 
 def backend_report() -> list[tuple[str, str, str]]:
     """(name, 'usable'/'unavailable', detail) per backend, probing installation only (for `lite-boost env`)."""
     rows = []
-    for name in _AUTO_ORDER:
+    for name in BACKENDS:
         spec = BACKENDS[name]
         why = spec.probe()
         status = "installed" if why is None else "unavailable"
@@ -455,14 +489,15 @@ def _check_key_mask(key_mask, k: torch.Tensor, layout: str) -> None:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "BSND",
               scale: float | None = None, backend: str | None = None,
-              key_mask: torch.Tensor | None = None, return_lse: bool = False):
+              key_mask: torch.Tensor | None = None, return_lse: bool = False, precision: str = "auto"):
     """Full (non-causal) scaled dot-product attention, output in the input layout and dtype.
 
     Args:
         q, k, v: rank-4 tensors in ``layout`` ("BSND" = batch, sequence, heads, head_dim, the layout of
             diffusers' attention processors, or "BNSD"). k/v may have fewer heads than q (GQA).
         scale: softmax scale; None = head_dim ** -0.5.
-        backend: force one of "fa3", "fa2", "npu", "sdpa"; None = context manager, env var, automatic.
+        backend: force one of "fa3", "fa2", "npu", "sdpa" (full precision) or "sage", "sage_fp8",
+            "fa3_fp8", "npu_int8" (low precision); None = context manager, env var, automatic.
         key_mask: (B, S_k) bool, True where a key may be attended (padded text tokens False), or None.
             Every query row needs at least one True key. Only backends with key-mask support run it
             (automatic choice skips the others; a forced one without support raises and lists the
@@ -472,6 +507,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
             memory-efficient kernels, FA2 / FA3 (``softmax_lse``), Ascend
             ``npu_fused_infer_attention_score(softmax_lse_flag=True)``. Needs at least one key; not
             combined with ``key_mask`` (Ring attention masks its joint keys itself).
+        precision: "auto" (default: full precision, the backends above), "int8" (int8 Q / K after
+            smoothing K by its mean over tokens, 16-bit P / V: SageAttention on CUDA, the documented
+            int8 mode of Ascend's fused attention on NPU) or "fp8" (FlashAttention-3 FP8 on Hopper,
+            then SageAttention's int8 Q / K with FP8 P / V on sm89 / sm90 / sm120). A precision that
+            no backend can run here raises :class:`AttentionBackendError` naming each backend's
+            reason (never a silent full-precision fallback); a forced backend of another precision
+            is refused too. Low-precision backends take no ``key_mask``.
 
     Returns ``out``, or ``(out, lse)`` with ``return_lse=True``.
     """
@@ -484,7 +526,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
         _check_key_mask(key_mask, k, layout)
         if return_lse:
             raise ValueError("attention: key_mask and return_lse=True cannot be combined; pass one of them")
-    sig = _signature(q, k, layout, backend, key_mask is not None, return_lse)
+    precision = check_precision(precision)
+    sig = _signature(q, k, layout, backend, key_mask is not None, return_lse, precision)
     name, error = _decide_traced(*sig) if torch.compiler.is_compiling() else _decide(*sig)
     if error is not None:  # eager: raises now; traced: raises when the compiled graph runs
         out = raise_when_run("attention", error, q)  # output has the shape of q

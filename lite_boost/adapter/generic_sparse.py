@@ -1,0 +1,209 @@
+"""Block-sparse self-attention on the generic path, where the layout is known from the model's data.
+
+A generic model's block-sparse attention needs the latent token grid and the self-attention calls that
+run over exactly that grid. Both come from data, decided once per transformer call:
+
+* the grid: the model config's patch size (``patch_size``, ``patch_size_t``) and the call's
+  ``hidden_states`` shape, (B, C, F, H, W) or (B, C, H, W) (a forward pre-hook on the transformer);
+  packed (B, S, C) inputs have no grid to read and are refused at boost time unless a family declares it;
+* which calls: a self-attention call (q and k of one length, no mask) whose length equals the grid's
+  token count is over the grid; every other call (cross-attention, a text refiner, joint text + image
+  attention) runs dense. Under ``torch.compile`` this is shape arithmetic done while tracing.
+
+A model none of whose self-attention calls runs over exactly the grid (text concatenated into the
+sequence, several streams) is refused with a ConfigError naming it after its first call.
+
+The grid calls are numbered in call order within each transformer call (the layer index of the
+schedule's ``dense_layers`` and of the block-mask reuse); the schedule, the mask reuse and the kernel
+are :class:`~lite_boost.adapter.sparse.ScheduledSparseAttention`'s. Under ``torch.compile`` the step
+tracking and each grid call are opaque custom ops (``torch.ops.lite_boost_graph.generic_*``), so no
+decision becomes a graph break or a guard.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from ..config import ConfigError
+from ..schedule import SparseSchedule
+from .sparse import _HANDLES, _STATES, STATE_KEY, ScheduledSparseAttention, SparseState, _arg_index
+
+__all__ = ["GenericSparse", "install_generic_sparse", "latent_grid", "uninstall_generic_sparse", "SPARSE_CACHE_METHODS"]
+
+logger = logging.getLogger("lite_boost.adapter.generic")
+
+# Step caches that skip whole trailing blocks keep the call order of the grid calls (the layer index);
+# caches that skip single attention layers would shift it.
+SPARSE_CACHE_METHODS = ("first_block_cache", "mag_cache")
+
+
+def latent_grid(patch: tuple[int, int, int] | None, hidden_states) -> tuple[int, int, int] | None:
+    """The latent token grid (t, h, w) of an image (B, C, H, W) or video (B, C, F, H, W) input, or None
+    (a packed (B, S, C) input, no patch size, or sizes the patch does not divide)."""
+    if patch is None or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() not in (4, 5):
+        return None
+    pt, ph, pw = patch
+    f = hidden_states.shape[2] if hidden_states.dim() == 5 else 1
+    h, w = hidden_states.shape[-2:]
+    if (hidden_states.dim() == 5 and f % pt) or h % ph or w % pw:
+        return None
+    return (f // pt if hidden_states.dim() == 5 else 1, h // ph, w // pw)
+
+
+class GenericSparse:
+    """The sparse part of a :class:`~lite_boost.adapter.generic.GenericAttention` (one per boosted model)."""
+
+    def __init__(self, model_class: str, state: SparseState, patch, context):
+        self.model_class = model_class
+        self.context = context  # the GenericAttention whose self_attn_fn serves the dense calls
+        self.state = state
+        self.patch = patch
+        self.counter = 0  # grid calls so far in the current transformer call
+        self.calls_seen = 0  # grid calls in the first complete transformer call (None once checked)
+        self.checked = False
+        self.transformer_calls = 0
+        self.other_lengths: set[int] = set()
+        self._key = torch.tensor([state.handle], dtype=torch.int64)
+
+    # -------------------------------------------------------------- per transformer call
+    def start_call(self, grid, timestep) -> None:
+        """Eager start of a transformer call: check the previous call's layout, reset, advance the tracker."""
+        if self.transformer_calls == 1:
+            self.check_layout()
+        self.transformer_calls += 1
+        self.counter = 0
+        self.state.observe(grid, timestep)
+
+    def check_layout(self) -> None:
+        """After the first transformer call: ConfigError unless some self-attention ran over the grid."""
+        if self.checked:
+            return
+        self.checked = True
+        if self.calls_seen:
+            if self.other_lengths:
+                logger.info("lite_boost generic sparse: %s self-attention over %s tokens (not the latent grid) runs "
+                            "dense", self.model_class, sorted(self.other_lengths))
+            return
+        grid = self.state.grid
+        raise ConfigError(
+            f"block-sparse attention (BoostConfig.sparse) needs self-attention over exactly the latent token grid, "
+            f"and none of {self.model_class}'s self-attention calls is: the grid {grid} has "
+            f"{math.prod(grid) if grid else 'no'} tokens, its self-attention ran over "
+            f"{sorted(self.other_lengths) or 'no'} tokens (text concatenated into the sequence, or several streams). "
+            "Boost it without sparse, or declare its layout in a model family (lite_boost.adapter.ModelFamily "
+            "with token_grid)")
+
+    def pre_forward(self, module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        grid = latent_grid(self.patch, hidden)
+        timestep = kwargs.get("timestep")
+        index = self.state.timestep_index
+        if timestep is None and index is not None and len(args) > index:
+            timestep = args[index]
+        if not torch.compiler.is_compiling():
+            self.start_call(grid, timestep)
+            return None
+        # Traced: the grid is a constant of the graph; the step tracking runs in an opaque op on the
+        # hidden states' path into the blocks, so it runs before every grid call of this transformer call.
+        self.state.grid = grid
+        if not isinstance(hidden, torch.Tensor):
+            return None
+        t = timestep if isinstance(timestep, torch.Tensor) else hidden.new_zeros(())
+        hidden = torch.ops.lite_boost_graph.generic_sparse_observe(hidden, t, self.state.handle, list(grid or ()))
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": hidden}
+        return (hidden,) + tuple(args[1:]), kwargs
+
+    def post_forward(self, module, args, kwargs, output):
+        if not torch.compiler.is_compiling() and self.transformer_calls == 1:
+            self.check_layout()
+        return None
+
+    # -------------------------------------------------------------- per attention call
+    def __call__(self, q, k, v, dense_fn):
+        grid = self.state.grid
+        if grid is None or q.shape[1] != math.prod(grid):
+            if not torch.compiler.is_compiling():
+                self.other_lengths.add(int(q.shape[1]))
+            return dense_fn(q, k, v)
+        if torch.compiler.is_compiling():
+            return torch.ops.lite_boost_graph.generic_sparse_attention(q, k, v, self._key, list(grid))
+        return self.run(q, k, v, dense_fn)
+
+    def run(self, q, k, v, dense_fn=None):
+        index = self.counter
+        self.counter += 1
+        if not self.checked:
+            self.calls_seen += 1
+        layer = self.state.layers.get(index)
+        if layer is None:
+            layer = self.state.layers[index] = ScheduledSparseAttention(index, self.state, dense_fn or self.context.self_attn_fn)
+        return layer.run(q, k, v)
+
+
+def install_generic_sparse(model, boost_state, ctx) -> None:
+    """Turn on block-sparse attention over the latent grid for a model boosted on the generic path."""
+    cfg = boost_state.config.sparse
+    if cfg is None or cfg.sparse_type is None:
+        return
+    family = boost_state.family
+    if family.patch is None:
+        raise ConfigError(f"sparse (BoostConfig.sparse) is not supported for {family.model_class} on the generic path "
+                          f"({family.features['sparse']})")
+    state = SparseState(cfg, SparseSchedule(cfg), token_grid=None, timestep_index=_arg_index(model, "timestep"))
+    state.handle = next(_HANDLES)
+    _STATES[state.handle] = state
+    sparse = GenericSparse(family.model_class, state, family.patch, ctx)
+    state.generic = sparse
+    state.hook = model.register_forward_pre_hook(sparse.pre_forward, with_kwargs=True)
+    state.timestep_hook = model.register_forward_hook(sparse.post_forward, with_kwargs=True)
+    ctx.sparse = sparse
+    boost_state.extras[STATE_KEY] = state
+
+
+def uninstall_generic_sparse(model, boost_state, ctx) -> None:
+    state = boost_state.extras.pop(STATE_KEY, None)
+    if state is None:
+        return
+    for hook in (state.hook, state.timestep_hook):
+        if hook is not None:
+            hook.remove()
+    _STATES.pop(state.handle, None)
+    if ctx is not None:
+        ctx.sparse = None
+
+
+def _generic(handle: int) -> GenericSparse:
+    state = _STATES.get(int(handle))
+    if state is None or getattr(state, "generic", None) is None:
+        raise RuntimeError(f"lite_boost generic sparse attention: no boosted model with handle {int(handle)} "
+                           "(the model was unboosted or freed after this graph was compiled)")
+    return state.generic
+
+
+@torch.library.custom_op("lite_boost_graph::generic_sparse_observe", mutates_args=())
+def _observe_op(hidden: torch.Tensor, timestep: torch.Tensor, handle: int, grid: list[int]) -> torch.Tensor:
+    _generic(handle).start_call(tuple(grid) if grid else None, timestep)
+    return hidden.clone()
+
+
+@_observe_op.register_fake
+def _(hidden, timestep, handle, grid):
+    return torch.empty_like(hidden)
+
+
+@torch.library.custom_op("lite_boost_graph::generic_sparse_attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: torch.Tensor,
+                  grid: list[int]) -> torch.Tensor:
+    sparse = _generic(int(key[0]))
+    if grid:
+        sparse.state.grid = tuple(grid)
+    return sparse.run(q, k, v).contiguous()
+
+
+@_attention_op.register_fake
+def _(q, k, v, key, grid):
+    return q.new_empty(q.shape[:3] + (v.shape[-1],))

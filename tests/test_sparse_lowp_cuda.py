@@ -1,0 +1,115 @@
+"""CUDA block-sparse int8 kernels (SpargeAttn, FlexAttention on int8-quantized Q / K) against the block-sparse
+contract (a dense masked fp64 reference) through SpargeAttn's documented API (tests/lowp_specs.py)."""
+
+import importlib
+import sys
+
+import pytest
+import torch
+
+from attention_specs import reference_attention
+from lowp_specs import cosine, make_spas_sage_attn, rel_l1
+
+S = importlib.import_module("lite_boost.ops._sparse_lowp_cuda")
+O = importlib.import_module("lite_boost.ops._optional")
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    O.import_optional.cache_clear()
+    yield
+    O.import_optional.cache_clear()
+
+
+def _case(n1=4, n2=2, lq=300, lk=280, d=48, block=(128, 128), dtype=torch.bfloat16, seed=0, empty_row=True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n1, lq, d, generator=g).to(dtype)
+    k = (torch.randn(n2, lk, d, generator=g) + 0.5).to(dtype)
+    v = torch.randn(n2, lk, d, generator=g).to(dtype)
+    nqb, nkb = -(-lq // block[0]), -(-lk // block[1])
+    idx = torch.full((nqb, n1, nkb), -1, dtype=torch.int64)
+    num = torch.zeros(nqb, n1, dtype=torch.int64)
+    for i in range(nqb):
+        for h in range(n1):
+            chosen = sorted(torch.randperm(nkb, generator=g)[: 1 + (i + h) % nkb].tolist())
+            idx[i, h, : len(chosen)] = torch.tensor(chosen)
+            num[i, h] = len(chosen)
+    if empty_row:
+        idx[0, 1] = -1
+        num[0, 1] = 0
+    return q, k, v, idx, num
+
+
+def _reference(q, k, v, idx, num, block, scale):
+    """fp64 masked attention from the select arrays; rows selecting nothing are 0 (the contract)."""
+    n1, lq, _ = q.shape
+    lk = k.shape[1]
+    allowed = torch.zeros(n1, lq, lk, dtype=torch.bool)
+    for i in range(idx.shape[0]):
+        for h in range(n1):
+            for j in idx[i, h, : num[i, h]].tolist():
+                allowed[h, i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]] = True
+    rows = allowed.any(-1)  # (N1, Lq): rows selecting something (the others are computed unmasked, then zeroed)
+    full = reference_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale,
+                               allowed=(allowed | ~rows[..., None])[None])
+    return torch.where(rows[..., None], full[0].transpose(0, 1), torch.zeros((), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("arch", [(8, 9), (9, 0)])
+@pytest.mark.parametrize("lq", [300, 70])
+def test_sparge_through_its_documented_api_matches_the_block_sparse_reference(monkeypatch, arch, lq):
+    calls = []
+    monkeypatch.setitem(sys.modules, "spas_sage_attn", make_spas_sage_attn(arch, calls))
+    monkeypatch.setattr(S, "cuda_capability", lambda device=None: arch)
+    q, k, v, idx, num = _case(lq=lq)
+    out, lse = S.sparge_kernel(q, k, v, idx, num, (128, 128), 0.13)
+    ref = _reference(q, k, v, idx, num, (128, 128), 0.13)
+    assert lse is None and out.shape == q.shape and out.dtype == q.dtype
+    assert bool(out[1, :128].eq(0).all())  # the row block that selects nothing: zeros, as the contract says
+    assert cosine(out, ref) >= 0.9995 and rel_l1(out, ref) <= 0.03, (cosine(out, ref), rel_l1(out, ref))
+    # the package's own mask granularity: 128 x 64 blocks (64 x 128 on sm90), at least 128 query rows
+    bq, bk = (64, 128) if arch == (9, 0) else (128, 64)
+    rows = max(lq, 128)
+    assert calls == [dict(scale=0.13, smooth_k=True, tensor_layout="HND", shape=(1, 4, -(-rows // bq), -(-280 // bk)))]
+
+
+def test_sparge_float32_and_head_dim_128(monkeypatch):
+    monkeypatch.setitem(sys.modules, "spas_sage_attn", make_spas_sage_attn((8, 0)))
+    monkeypatch.setattr(S, "cuda_capability", lambda device=None: (8, 0))
+    q, k, v, idx, num = _case(n2=4, d=128, dtype=torch.float32, empty_row=False)
+    out, _ = S.sparge_kernel(q, k, v, idx, num, (128, 128), 128 ** -0.5)
+    ref = _reference(q, k, v, idx, num, (128, 128), 128 ** -0.5)
+    assert out.dtype == torch.float32 and cosine(out, ref) >= 0.9995 and rel_l1(out, ref) <= 0.03
+
+
+def test_sparge_refusals(monkeypatch):
+    bf = torch.bfloat16
+    assert S.sparge_reason("cpu", bf, (128, 128)) == "wrong device: needs cuda, got cpu"
+    assert "log-sum-exp" in S.sparge_reason("cuda", bf, (128, 128), need_lse=True)
+    assert "unsupported head dim 192" in S.sparge_reason("cuda", bf, (128, 128), head_dim=192)
+    monkeypatch.setitem(sys.modules, "spas_sage_attn", None)
+    assert "spas_sage_attn" in S.sparge_reason("cuda", bf, (128, 128))
+    O.import_optional.cache_clear()
+    monkeypatch.setitem(sys.modules, "spas_sage_attn", make_spas_sage_attn((9, 0)))
+    monkeypatch.setattr(S, "cuda_capability", lambda device=None: (9, 0))
+    assert S.sparge_reason("cuda", bf, (128, 128)) is None
+    assert "not a multiple of SpargeAttn's 64 x 128" in S.sparge_reason("cuda", bf, (128, 64))
+    monkeypatch.setattr(S, "cuda_capability", lambda device=None: (7, 5))
+    assert "compute capability >= 8.0" in S.sparge_reason("cuda", bf, (128, 128))
+
+
+def test_flex_int8_refusals():
+    assert "wrong device: needs cuda, got cpu" in S.flex_int8_reason("cpu", torch.float16, (128, 128))
+    assert "multiples of 128" in S.flex_int8_reason("cuda", torch.float16, (64, 128))
+    assert "inference only" in S.flex_int8_reason("cuda", torch.float16, (128, 128), needs_grad=True)
+
+
+def test_flex_int8_kernel_matches_the_block_sparse_reference():
+    """The kernel is device-agnostic: compiled FlexAttention on CPU runs the same code as on CUDA."""
+    if S.FLEX.probe("cpu") is not None:
+        pytest.skip(S.FLEX.probe("cpu"))
+    q, k, v, idx, num = _case(n2=4, lq=256, lk=256, d=32, dtype=torch.float32, empty_row=False)
+    out, _ = S.flex_int8_kernel(q, k, v, idx, num, (128, 128), 0.2)
+    ref = _reference(q, k, v, idx, num, (128, 128), 0.2)
+    assert cosine(out, ref) >= 0.9995 and rel_l1(out, ref) <= 0.03, (cosine(out, ref), rel_l1(out, ref))
+    assert rel_l1(out, ref) > 1e-4  # Q and K really went through int8 (fp32 alone is ~1e-7 off)

@@ -449,6 +449,17 @@ def _resolve_weights(draft: Draft):
                                        family=draft.family))
 
 
+def _resolve_attention(draft: Draft):
+    """The attention precision (``config.attention.precision``) each transformer's device can run."""
+    if draft.on_paper or draft.family is None or not hasattr(draft.config, "attention"):
+        return None
+    from .adapter.boost import check_attention_precision
+
+    for model in draft.models:
+        check_attention_precision(draft.config, model)
+    return draft.config.attention
+
+
 def _resolve_models(draft: Draft):
     """Every transformer matches its family's attention sites and RoPE module (TypeError otherwise)."""
     if draft.on_paper or draft.family is None:
@@ -476,6 +487,7 @@ STEPS: tuple[Step, ...] = (
     Step("ring", _resolve_ring),            # kernels Ring attention can merge
     Step("weights", _resolve_weights),      # tensor-parallel plans, FSDP degree
     Step("models", _resolve_models),        # the transformers match the family's record
+    Step("attention", _resolve_attention),  # attention precision the devices can run
 )
 
 

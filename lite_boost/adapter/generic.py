@@ -47,7 +47,7 @@ from ..registry import UnsupportedModelError, family_of, lookup, register_fallba
 from .boost import STATE_ATTR, BoostState
 from .cache import install_cache, uninstall_cache
 from .family import FEATURES
-from .generic_sparse import install_generic_sparse, latent_grid, uninstall_generic_sparse
+from .generic_sparse import SPARSE_CACHE_METHODS, install_generic_sparse, latent_grid, uninstall_generic_sparse
 from .processor import DenseAttention
 
 __all__ = ["GENERIC", "GenericAttention", "GenericFamily", "attention_problem", "boost_generic", "class_problem",
@@ -301,10 +301,15 @@ class GenericFamily:
             raise ConfigError(f"{option} is not supported for {self.model_class} on lite_boost's generic path "
                               f"({self.features[feature]})")
 
-        if config.sparse is not None and config.sparse.sparse_type is not None and not self.supports("sparse"):
+        sparse = config.sparse is not None and config.sparse.sparse_type is not None
+        if sparse and not self.supports("sparse"):
             refuse(name("sparse"), "sparse")
         if config.cache is not None and not self.supports("step_cache"):
             refuse(name("cache"), "step_cache")
+        if sparse and config.cache is not None and config.cache.method not in SPARSE_CACHE_METHODS:
+            raise ConfigError(f"cache method {config.cache.method!r} with {name('sparse')} is not supported for "
+                              f"{self.model_class} on the generic path (it skips single attention layers, which "
+                              f"would shift the grid calls' layer order); with sparse use one of {list(SPARSE_CACHE_METHODS)}")
         if config.quant is not None and config.quant.include is None and not self.supports("quant"):
             refuse(f"{name('quant')} without include patterns", "quant")
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .config import BoostConfig
-from .plan import Plan, check_one_process, check_weight_sharding, make_plan, tensor_parallel_plan
+from .plan import (Plan, auto_layout, check_one_process, check_weight_sharding, make_plan, memory_plan,
+                   tensor_parallel_plan)
 from .registry import family_of, lookup
 
-__all__ = ["boost", "unboost", "is_boosted", "ParallelManager", "apply_plan", "apply_parallel_plan",
-           "check_one_process", "check_weight_sharding", "tensor_parallel_plan"]
+__all__ = ["boost", "unboost", "is_boosted", "ParallelManager", "auto_layout", "memory_plan", "apply_plan",
+           "apply_parallel_plan", "check_one_process", "check_weight_sharding", "tensor_parallel_plan"]
 
 
 def boost(target, config=None):

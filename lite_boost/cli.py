@@ -115,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("env", help="print versions, devices and attention backends")
     sub.add_parser("models", help="list the supported model families and the features each supports")
+    _add_plan_parser(sub)
     return parser
 
 
@@ -997,6 +998,79 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Nam
     sub.error(f"unrecognized arguments: {' '.join(extra)}" + ("; " + "; ".join(hints) if hints else ""))
 
 
+# ----------------------------------------------------------------------------------------------- #
+# `lite-boost plan`: per-rank memory of each parallel layout from the configs alone (lite_boost.memory)
+def _add_plan_parser(sub) -> None:
+    plan = sub.add_parser("plan", help="per-rank memory of each parallel layout (sequence / cfg / fsdp / tp degrees, "
+                                       "offload) from the model's configs alone; marks what fits, recommends one")
+    plan.add_argument("--model", default=None, help="diffusers pipeline folder (only model_index.json and the "
+                                                    "components' config.json are read)")
+    plan.add_argument("--family", default=None, help="a model family's reference model (`lite-boost models`; wan: "
+                                                     "Wan2.1-T2V-14B with its UMT5-XXL text encoder)")
+    plan.add_argument("--nproc", type=int, default=1, help="ranks (one device each)")
+    plan.add_argument("--device-memory", default=None, metavar="SIZE",
+                      help="memory per device, e.g. 24GiB, 80GB, 64G (without it nothing is marked as fitting)")
+    plan.add_argument("--height", type=int, default=None, help="default: the family's reference (Wan 480)")
+    plan.add_argument("--width", type=int, default=None, help="default: the family's reference (Wan 832)")
+    plan.add_argument("--num-frames", type=int, default=None, help="default: the family's reference (Wan 81)")
+    plan.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES), help="weights and activations")
+    plan.add_argument("--headroom", type=float, default=0.1,
+                      help="fraction of the device memory kept free for the framework and the allocator (0.1)")
+
+
+def plan_available(family) -> dict:
+    """What this installation can apply of each planned feature (ParallelConfig's fields, the family's CFG)."""
+    import dataclasses
+
+    from lite_boost.config import ParallelConfig
+
+    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+    return {"tp": "tp_degree" in fields, "fsdp": "fsdp_degree" in fields,
+            "cfg": family is None or family.supports("cfg_parallel"), "offload": True}
+
+
+def plan_command(args) -> int:
+    from lite_boost.config import ConfigError, parse_bytes
+    from lite_boost.memory import DTYPE_BYTES, dims_for_family, dims_for_model_dir, format_plan, plan_layouts, token_count
+
+    def bad(msg):
+        raise SystemExit(f"lite-boost plan: {msg}")
+
+    if (args.model is None) == (args.family is None):
+        bad("give exactly one of --model PATH (a diffusers pipeline folder) or --family NAME "
+            f"({list(_registered_families())})")
+    if not isinstance(args.nproc, int) or args.nproc < 1:
+        bad(f"--nproc must be >= 1, got {args.nproc}")
+    for flag, value in (("--height", args.height), ("--width", args.width), ("--num-frames", args.num_frames)):
+        if value is not None and value < 1:
+            bad(f"{flag} must be >= 1, got {value}")
+    if not 0 <= args.headroom < 1:
+        bad(f"--headroom must be in [0, 1), got {args.headroom}")
+    try:
+        memory = parse_bytes(args.device_memory, "--device-memory") if args.device_memory is not None else None
+        nbytes = DTYPE_BYTES[_DTYPES[args.dtype]]
+        if args.family is not None:
+            fams = _registered_families()
+            if args.family not in fams:
+                bad(f"--family must be one of {list(fams)}, got {args.family!r}")
+            family = fams[args.family]
+            dims, shape = dims_for_family(family, nbytes)
+        else:
+            index = Path(args.model, "model_index.json")
+            name = json.loads(index.read_text(encoding="utf-8")).get("_class_name") if index.is_file() else None
+            family = family_for_pipeline_class(name) if isinstance(name, str) else None
+            dims = dims_for_model_dir(args.model, nbytes, family)
+            shape = tuple((family.reference or {}).get("shape", (81, 480, 832))) if family else (81, 480, 832)
+    except ConfigError as exc:
+        bad(str(exc))
+    shape = (args.num_frames or shape[0], args.height or shape[1], args.width or shape[2])
+    tokens = token_count(dims, *shape)
+    plan = plan_layouts(dims, args.nproc, tokens, memory, headroom=args.headroom, shape=shape,
+                        available=plan_available(family))
+    print(format_plan(plan))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """The ``lite-boost`` command. A refusal of the planner exits with :data:`lite_boost.plan.EXIT_CODES`
     (2: an option or config value, 3: an unsupported model, 4: no parallel plan for it)."""
@@ -1021,6 +1095,8 @@ def _main(argv: list[str] | None = None) -> int:
     if args.command == "models":
         print(models_report())
         return 0
+    if args.command == "plan":
+        return plan_command(args)
     return generate(args, argv)
 
 

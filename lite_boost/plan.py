@@ -41,6 +41,7 @@ from .parallel.plan import PlanError
 from .registry import UnsupportedModelError, families, lookup, names_where
 
 __all__ = ["Plan", "Step", "Draft", "STEPS", "make_plan", "check_one_process", "check_weight_sharding",
+           "memory_plan", "auto_layout",
            "tensor_parallel_plan", "PlanError", "ConfigError", "UnsupportedModelError",
            "DEFAULT_OPTION_NAMES", "PLANNER_ERRORS", "EXIT_CODES", "exit_code"]
 
@@ -194,6 +195,107 @@ def _rank_device(draft: Draft, move: bool | None = None):
     return None if dev.type == "cpu" else dev
 
 
+# ------------------------------------------------------------------------------------------ memory planner
+_LOOKUP = object()  # memory_plan / auto_layout's family argument when the caller has not looked it up
+
+
+def _device_memory(device) -> int | None:
+    """Total memory of the rank's accelerator (None on the CPU)."""
+    import torch
+
+    from .parallel.groups import default_device, read_torchrun_env
+
+    dev = torch.device(device) if device is not None else default_device(read_torchrun_env()[1])
+    mod = getattr(torch, dev.type, None) if dev.type != "cpu" else None
+    try:
+        return int(mod.get_device_properties(dev).total_memory) if mod is not None else None
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def memory_plan(target, config: BoostConfig | Mapping | Any, world_size: int, *, device=None, family=_LOOKUP):
+    """The memory planner's :class:`~lite_boost.memory.MemoryPlan` for ``target`` on ``world_size`` ranks: the
+    real module's parameter counts (every transformer of a pipeline, its text encoder), the shape of
+    ``parallel.layout_shape`` (else the family's reference), ``parallel.device_memory`` (else the device's)."""
+    import dataclasses
+
+    from .config import ParallelConfig
+    from .memory import DEFAULT_SHAPE, ModelDims, plan_layouts, token_count
+
+    config = BoostConfig.coerce(config)
+    par = config.parallel
+    if family is _LOOKUP:
+        family = getattr(lookup(target), "family", None)
+    models = family.transformers_of(target) if family is not None else [target]
+    is_pipe = family is not None and family.is_pipeline(target)
+    text_encoder = getattr(target, "text_encoder", None) if is_pipe else None
+    first = next(models[0].parameters())
+    extras = {}
+    if family is not None:
+        cfg = family.pipeline.cfg
+        extras = dict(joint_text=family.joint != "cross", cfg_batched=getattr(cfg, "kind", None) == "batched")
+    dims = ModelDims.from_module(models[0], text_encoder=text_encoder, dtype_bytes=first.element_size(), **extras)
+    if len(models) > 1:  # e.g. Wan2.2's two experts: both resident, one runs per call
+        dims = dataclasses.replace(dims, blocks_params=dims.blocks_params * len(models),
+                                   blocks_linear_params=dims.blocks_linear_params * len(models),
+                                   other_params=dims.other_params * len(models))
+    shape = par.layout_shape or tuple((getattr(family, "reference", None) or {}).get("shape", DEFAULT_SHAPE))
+    memory = par.device_memory if par.device_memory is not None else _device_memory(device)
+    if memory is None:
+        raise ConfigError("layout='auto' needs parallel.device_memory (e.g. '24GiB') on the CPU: there is no device "
+                          "memory to read")
+    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+    sequence_ok = family is None or family.supports("sequence_parallel")
+    available = {"tp": "tp_degree" in fields, "fsdp": "fsdp_degree" in fields,
+                 "cfg": is_pipe and family.supports("cfg_parallel"), "offload": True}
+    return plan_layouts(dims, world_size, token_count(dims, *shape), memory, shape=shape, available=available,
+                        ring=sequence_ok)
+
+
+def auto_layout(target, config: BoostConfig | Mapping | Any, world_size: int, *, device=None,
+                family=_LOOKUP) -> BoostConfig:
+    """``config`` with ``parallel.layout="auto"`` resolved: the planner's recommendation (the fitting layout
+    that moves least; with ``offload`` set, the fitting offload layout) written into its degrees and offload.
+    ConfigError naming the smallest layout when none fits."""
+    import dataclasses
+    import logging
+
+    from .config import OffloadConfig, ParallelConfig
+    from .memory import format_plan
+
+    config = BoostConfig.coerce(config)
+    if family is _LOOKUP:
+        family = getattr(lookup(target), "family", None)
+    plan = memory_plan(target, config, world_size, device=device, family=family)
+    sequence_ok = family is None or family.supports("sequence_parallel")
+
+    def allowed(e):
+        lay = e.layout
+        return (e.fits and (lay.sequence == 1 or sequence_ok) and (lay.offload or config.offload is None)
+                and (lay.tp == 1 or plan_has(e, "tp")) and (lay.fsdp == 1 or plan_has(e, "fsdp"))
+                and (lay.cfg == 1 or plan_has(e, "cfg")))
+
+    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+
+    def plan_has(e, what):
+        if what == "cfg":
+            return family is not None and family.is_pipeline(target) and family.supports("cfg_parallel")
+        return f"{what}_degree" in fields
+
+    chosen = next((e for e in plan.rows if allowed(e)), None)
+    if chosen is None:
+        smallest = min(plan.rows, key=lambda e: e.total)
+        raise ConfigError(f"layout='auto': no layout of {world_size} rank(s) fits device_memory="
+                          f"{plan.device_memory / 2**30:.2f} GiB for {type(target).__name__} at {plan.tokens} tokens; "
+                          f"the smallest, {smallest.layout.label()}, needs {smallest.total / 2**30:.2f} GiB per rank "
+                          "(lite-boost plan shows every layout)")
+    degrees = {k: v for k, v in chosen.layout.parallel_fields().items() if k in fields}
+    parallel = dataclasses.replace(config.parallel, layout="manual", device_memory=None, layout_shape=None, **degrees)
+    offload = config.offload if config.offload is not None else (OffloadConfig() if chosen.layout.offload else None)
+    logging.getLogger("lite_boost.api").info("layout='auto': %s\n%s", chosen.layout.label(), format_plan(plan))
+    return config.replace(parallel=parallel, offload=offload)
+
+
 # ------------------------------------------------------------------------------------------ steps
 def check_one_process(config: BoostConfig) -> None:
     """ConfigError with the launch hint when ``config.parallel`` asks for more than one process: ``boost`` runs
@@ -214,12 +316,20 @@ def check_one_process(config: BoostConfig) -> None:
 
 def _resolve_mesh(draft: Draft):
     """World size and cfg x ulysses x ring degrees: from the mesh given, else the config and the world
-    (``boost``: one process, every degree 1)."""
+    (``boost``: one process, every degree 1). ``parallel.layout="auto"``: the memory planner's layout first."""
     if not draft.parallel:
         if not draft.on_paper:
             check_one_process(draft.config)
         return None
     mesh = draft.mesh
+    if draft.config.parallel.layout == "auto" and not draft.on_paper:
+        if mesh is not None:
+            raise ConfigError("layout='auto' with a mesh: the mesh already fixes the degrees; pass no mesh or use "
+                              "layout='manual'")
+        from .parallel.manager import world_size_of
+
+        draft.config = auto_layout(draft.target, draft.config, world_size_of(None), device=draft.device,
+                                   family=draft.family)
     if not draft.on_paper:
         draft.rank_device = _rank_device(draft)
     if mesh is not None:
@@ -474,8 +584,8 @@ def _resolve_models(draft: Draft):
 # The steps, in order (the order of the refusals when a config has several problems). A new feature adds
 # one function above and one line here; its applier reads ``plan.parts[name]``.
 STEPS: tuple[Step, ...] = (
-    Step("mesh", _resolve_mesh),            # world size, cfg x ulysses x ring degrees
     Step("target", _resolve_target),        # boost function, family (named or generic), pipeline plan, transformers
+    Step("mesh", _resolve_mesh),            # world size, cfg x ulysses x ring degrees (layout="auto" resolved)
     Step("sparse", _resolve_sparse),        # block-sparse attention (SparseConfig or None)
     Step("sharding", _resolve_sharding),    # where each transformer's sequence is split and gathered
     Step("features", _resolve_features),    # what the family lacks

@@ -568,6 +568,19 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
             Vec vsum(0.f);
             const Vec vm(-m_new), vsc(sc);
             int64_t c = 0;
+            // int8 mode with bf16 P V: P goes straight to its bf16 row (AVX512-BF16), else through the fp32 row
+            at::BFloat16* p16row = lowp && pv16 ? w.p16.data() + r * kn : nullptr;
+            int64_t conv_from = 0;  // P's columns [conv_from, kn) still to be converted to bf16
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+            if (p16row) {
+              for (; c + Vec::size() <= kn; c += Vec::size()) {
+                Vec x = at::vec::fmadd(Vec::loadu(sr + c), vsc, vm).exp_u20();
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16row + c), (__m256i)_mm512_cvtneps_pbh(__m512(x)));
+                vsum = vsum + x;
+              }
+              conv_from = c;
+            }
+#endif
             for (; c + Vec::size() <= kn; c += Vec::size()) {
               Vec x = at::vec::fmadd(Vec::loadu(sr + c), vsc, vm).exp_u20();
               x.store(sr + c);
@@ -578,7 +591,7 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
               sr[c] = std::exp(sr[c] * sc - m_new);
               sum += sr[c];
             }
-            if (lowp && pv16) from_float(sr, w.p16.data() + r * kn, kn);  // P row in bf16 while it is in L1
+            if (p16row) from_float(sr + conv_from, p16row + conv_from, kn - conv_from);  // the rest, while in L1
             const float corr = first ? 0.f : std::exp(m_old - m_new);
             lrow[r] = lrow[r] * corr + sum;
             mrow[r] = m_new;

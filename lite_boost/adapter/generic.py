@@ -44,7 +44,7 @@ from ..ops.rope import RopeCache
 from ..parallel.plan import PipelinePlan
 from ..quant import check_uninstall_quant, install_quant, uninstall_quant
 from ..registry import UnsupportedModelError, family_of, lookup, register_fallback
-from .boost import STATE_ATTR, BoostState
+from .boost import STATE_ATTR, BoostState, check_attention_precision
 from .cache import install_cache, uninstall_cache
 from .family import FEATURES
 from .generic_sparse import SPARSE_CACHE_METHODS, install_generic_sparse, latent_grid, uninstall_generic_sparse
@@ -470,6 +470,7 @@ CONTEXT_KEY = "generic"
 
 def _install_backend(model, state: BoostState) -> None:
     ctx = GenericAttention(type(model).__name__, state.config.attention_backend)
+    ctx.self_attn_fn.precision = state.config.attention.precision  # self-attention only, as on the family path
     name = ctx.register()
     originals: dict[int, tuple[object, object]] = {}
     for _, module in _attention_modules(model):
@@ -512,6 +513,7 @@ def boost_generic(model, config: BoostConfig | None = None, *, plan=None):
         config = BoostConfig.coerce(config)
         family = generic_family(model)
         family.check_config(config, model)
+        check_attention_precision(config, model)
     else:
         config, family = plan.config, plan.family
     state = getattr(model, STATE_ATTR, None)

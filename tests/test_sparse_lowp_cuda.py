@@ -113,3 +113,17 @@ def test_flex_int8_kernel_matches_the_block_sparse_reference():
     ref = _reference(q, k, v, idx, num, (128, 128), 0.2)
     assert cosine(out, ref) >= 0.9995 and rel_l1(out, ref) <= 0.03, (cosine(out, ref), rel_l1(out, ref))
     assert rel_l1(out, ref) > 1e-4  # Q and K really went through int8 (fp32 alone is ~1e-7 off)
+
+
+@pytest.mark.parametrize("kernel", [S.sparge_kernel, S.flex_int8_kernel])
+def test_empty_segments_give_zeros_without_calling_a_kernel(monkeypatch, kernel):
+    monkeypatch.setitem(sys.modules, "spas_sage_attn", None)  # would fail if called
+    monkeypatch.setattr(S, "FLEX", None)
+    q, k, v = torch.randn(2, 0, 32), torch.randn(1, 5, 32), torch.randn(1, 5, 32)
+    out, _ = kernel(q, k, v, torch.zeros(0, 2, 1, dtype=torch.int64), torch.zeros(0, 2, dtype=torch.int64),
+                    (128, 128), 0.1)
+    assert out.shape == (2, 0, 32)
+    q = torch.randn(2, 7, 32)
+    out, _ = kernel(q, k[:, :0], v[:, :0], torch.zeros(1, 2, 0, dtype=torch.int64),
+                    torch.zeros(1, 2, dtype=torch.int64), (128, 128), 0.1)
+    assert bool(out.eq(0).all()) and out.shape == (2, 7, 32)

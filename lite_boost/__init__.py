@@ -7,7 +7,10 @@
     pipe = lite_boost.BoostManager(pipe, config="boost.yaml")   # MindSpore Lite 2.11's name and YAML schema
 """
 
+from . import _quiet
 from .config import BoostConfig, CacheConfig, ConfigError, ParallelConfig, QuantConfig, SparseConfig
+
+_quiet.install()  # drops a few dependency notices, each matched narrowly (see lite_boost/_quiet.py)
 
 __version__ = "0.1.0"
 

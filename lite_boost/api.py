@@ -38,8 +38,8 @@ def check_one_process(config: BoostConfig) -> None:
     need = p.processes_needed()
     if need <= 1:
         return
-    asked = ", ".join(f"{n}={getattr(p, n)}" for n in ("cfg_degree", "sequence_degree", "ulysses_degree",
-                                                       "ring_degree", "world_size")
+    asked = ", ".join(f"{n}={getattr(p, n)}" for n in ("cfg_degree", "tp_degree", "fsdp_degree", "sequence_degree",
+                                                       "ulysses_degree", "ring_degree", "world_size")
                       if getattr(p, n) not in (None, 1))
     raise ConfigError(
         f"parallel {asked} needs {need} processes, but boost() runs in this one process. Launch {need} processes "
@@ -109,6 +109,34 @@ def _layout(target, fn, family, sequence_degree: int):
     return pplan, models, plans
 
 
+def tensor_parallel_plan(model):
+    """The tensor-parallel plan of ``model``: its family record's, else diffusers' ``_tp_plan`` (None: none)."""
+    from .parallel.shard import TensorParallelPlan
+
+    plan = getattr(family_of(model), "tensor_parallel", None)
+    return plan if plan is not None else TensorParallelPlan.from_diffusers(getattr(model, "_tp_plan", None))
+
+
+def check_weight_sharding(target, models, config: BoostConfig, world_size: int, *, cfg_degree: int = 1,
+                          tp_degree: int = 1, fsdp_degree: int = 1) -> list:
+    """Can ``models`` be split over ``tp_degree`` / ``fsdp_degree`` ranks of ``world_size``? ConfigError naming
+    the valid degrees, before any collective. Returns the models' tensor-parallel plans (one per model)."""
+    from .parallel.shard import check_fsdp, check_tensor_parallel
+
+    tp_plans = [tensor_parallel_plan(m) for m in models] if tp_degree > 1 else [None] * len(models)
+    if tp_degree > 1:
+        if config.quant is not None:
+            raise ConfigError(f"tp_degree={tp_degree} with quant={config.quant.method!r}: torchao's quantized "
+                              "weights cannot be split into DTensor shards. Valid: tp_degree=1 with quant, or "
+                              "quant=None with tp_degree")
+        rest = world_size // cfg_degree if world_size % cfg_degree == 0 else world_size
+        candidates = [d for d in range(1, rest + 1) if rest % d == 0]
+        for model, plan in zip(models, tp_plans):
+            check_tensor_parallel(model, plan, tp_degree, candidates)
+    check_fsdp(type(target).__name__, [(type(m).__name__, m) for m in models], fsdp_degree, config.quant)
+    return tp_plans
+
+
 def _rank_device(mesh, device, move_to_device):
     """The device this rank's model will run on, for checks made before the mesh exists (None: where it is)."""
     import torch
@@ -159,8 +187,10 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
     fn = lookup(target)  # UnsupportedModelError (a TypeError) for unknown classes
     family = family_of(fn)
     ring_degree = 1
+    tp_degree, fsdp_degree = config.parallel.tp_degree, config.parallel.fsdp_degree
     if mesh is not None:
         cfg_degree, seq_degree, ring_degree = mesh.cfg_degree, mesh.sequence_degree, mesh.ring_degree
+        tp_degree, fsdp_degree = mesh.tp_degree, mesh.fsdp_degree
     else:
         world = world_size_of(None)
         try:
@@ -203,6 +233,10 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
     from .parallel.ring import check_ring_support
 
     check_ring_support(config, mesh=mesh, device=device)  # kernels without lse under ring: before any collective
+    if mesh is None and (tp_degree > 1 or fsdp_degree > 1):
+        config.parallel.resolve_mesh(world_size_of(None))  # weight-sharding degrees that do not fit the world first
+    tp_plans = check_weight_sharding(target, models, config, world_size_of(mesh), cfg_degree=cfg_degree,
+                                     tp_degree=tp_degree, fsdp_degree=fsdp_degree)  # degrees vs heads / widths
     if mesh is None:
         mesh = init_mesh(config.parallel, init_method=init_method, device=device)
 
@@ -217,4 +251,4 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
     _boost(target, config)
     if move and config.quant is None:
         target.to(mesh.device)
-    return parallelize(target, models, plans, pplan, config, mesh, vae_adapter=vae_adapter)
+    return parallelize(target, models, plans, pplan, config, mesh, vae_adapter=vae_adapter, tp_plans=tp_plans)

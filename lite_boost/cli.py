@@ -87,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--rotate-method", default="p2p", choices=["p2p", "allgather"],
                      help="how Ring attention moves K/V: p2p (overlapped with compute, default) or allgather")
     gen.add_argument("--cfg-degree", type=int, default=1, choices=[1, 2])
+    gen.add_argument("--tp-degree", type=int, default=1,
+                     help="tensor parallelism: attention heads and FFN columns split over this many ranks (a mesh "
+                          "axis: nproc = cfg x tp x sequence degree; default 1)")
+    gen.add_argument("--fsdp-degree", type=int, default=1,
+                     help="FSDP2 weight sharding: transformer blocks (and text encoder) split over this many ranks, "
+                          "gathered block by block; overlaps the other axes, must divide --nproc (default 1)")
     gen.add_argument("--vae-parallel", default=None, choices=["exact", "chunked", "off"],
                      help="VAE decode/encode over the ranks (default exact when --nproc > 1)")
     gen.add_argument("--vae-overlap", type=int, default=None,
@@ -341,7 +347,8 @@ def check_processes(config, nproc: int, world_size: int, from_config: str | None
     if need <= have or have > 1:  # several processes: resolve_mesh names the degrees that fit the world size
         return
     p = config.parallel
-    names = ("cfg_degree", "sequence_degree", "ulysses_degree", "ring_degree") + (("world_size",) if from_config else ())
+    names = ("cfg_degree", "tp_degree", "fsdp_degree", "sequence_degree", "ulysses_degree", "ring_degree") + (
+        ("world_size",) if from_config else ())
     given = [(n, getattr(p, n)) for n in names if getattr(p, n) not in (None, 1)]
     if from_config is not None:
         asked = f"parallel {', '.join(f'{n}={v}' for n, v in given)} (from --config {from_config})"
@@ -538,18 +545,21 @@ def _validate_generate(args) -> None:
         bad("--num-frames", args.num_frames, "4k + 1 (1, 5, 9, ..., 81)")
     if args.warmup < 0:
         bad("--warmup", args.warmup, "a non-negative integer")
-    for name in ("sequence_degree", "ulysses_degree", "ring_degree"):
+    for name in ("sequence_degree", "ulysses_degree", "ring_degree", "tp_degree", "fsdp_degree"):
         v = getattr(args, name, None)
         if v is not None and v < 1:
             bad("--" + name.replace("_", "-"), v, "a positive integer")
     world = int(os.environ.get("WORLD_SIZE", "0")) or args.nproc  # under torchrun (no --nproc): the launched world
-    if (getattr(args, "ulysses_degree", None) is not None or getattr(args, "ring_degree", None) is not None) \
+    if (any(getattr(args, n, None) is not None for n in ("ulysses_degree", "ring_degree"))
+            or getattr(args, "tp_degree", 1) > 1 or getattr(args, "fsdp_degree", 1) > 1) \
             and world > 1:  # one process: check_processes gives the launch hint
         from lite_boost.config import ConfigError, ParallelConfig
 
         try:  # degrees that cannot fit --nproc fail here, before torchrun starts anything
             ParallelConfig(sequence_degree=args.sequence_degree, cfg_degree=args.cfg_degree,
-                           ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree).resolve_mesh(world)
+                           ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree,
+                           tp_degree=getattr(args, "tp_degree", 1),
+                           fsdp_degree=getattr(args, "fsdp_degree", 1)).resolve_mesh(world)
         except ConfigError as exc:
             raise SystemExit(f"lite-boost generate: {exc}") from None
     if getattr(args, "vae_overlap", None) is not None:
@@ -598,7 +608,8 @@ def _boost_config(args):
     sparse = SparseConfig(sparsity=sparsity) if sparsity > 0 else None
     parallel = ParallelConfig(sequence_degree=args.sequence_degree, cfg_degree=args.cfg_degree,
                               ulysses_degree=args.ulysses_degree, ring_degree=args.ring_degree,
-                              rotate_method=args.rotate_method,
+                              rotate_method=args.rotate_method, tp_degree=getattr(args, "tp_degree", 1),
+                              fsdp_degree=getattr(args, "fsdp_degree", 1),
                               vae_parallel=getattr(args, "vae_parallel", None), vae_overlap=getattr(args, "vae_overlap", None))
     cache = CacheConfig.parse(args.cache) if args.cache else None
     quant = QuantConfig(method=args.quant) if getattr(args, "quant", None) else None
@@ -825,7 +836,10 @@ def applied_summary(pipe, config, work=None, device=None, dtype=None) -> list[st
         seq = (f"Ulysses sequence degree {mesh.sequence_degree}" if mesh.ring_degree == 1 else
                f"sequence degree {mesh.sequence_degree} (Ulysses {mesh.ulysses_degree} x Ring {mesh.ring_degree}, "
                f"{mesh.rotate_method})")
-        lines.append(f"parallel: {mesh.world_size} processes, {seq} x CFG degree {mesh.cfg_degree} over {mesh.backend}")
+        shard = "".join(f" x {what} degree {d}" for what, d in (("tensor-parallel", mesh.tp_degree),) if d > 1)
+        shard += f", weights FSDP-sharded over {mesh.fsdp_degree} ranks" if mesh.fsdp_degree > 1 else ""
+        lines.append(f"parallel: {mesh.world_size} processes, {seq} x CFG degree {mesh.cfg_degree}{shard} over "
+                     f"{mesh.backend}")
     return lines
 
 
@@ -975,11 +989,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(build_parser(), argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if not getattr(args, "verbose", False):
-        # torchao (imported by diffusers when installed) warns about every CUDA-only extension a CPU build of
-        # torch cannot load, and diffusers 0.42 about torchao 0.18's renamed tensor classes: noise here
-        for name in ("torchao", "diffusers.quantizers.torchao.torchao_quantizer"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+    if getattr(args, "verbose", False):
+        from lite_boost import _quiet
+
+        _quiet.uninstall()  # -v: every dependency notice too (import lite_boost filters a few, narrowly)
     if args.command == "env":
         print(env_report())
         return 0

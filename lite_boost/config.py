@@ -246,6 +246,17 @@ class ParallelConfig(_ConfigMixin):
         on every rank (its per-frame loop needs the whole frame), so it accepts only "all".
     world_size: the world size this config was written for (MindSpore Lite's ``Parallel.world_size``);
         None = any. A launch with another world size fails in ``resolve_mesh``, before any collective.
+    tp_degree: tensor parallelism (diffusers' name): attention heads and FFN columns / rows of the
+        transformer blocks split over ``tp_degree`` ranks that work on the same tokens (DTensor
+        ``parallelize_module``). A mesh axis of its own: ``world_size = cfg_degree x tp_degree x
+        sequence_degree``; the TP ranks are the innermost (contiguous) ones. 1 = off.
+    fsdp_degree: FSDP2 weight sharding (``torch.distributed.fsdp.fully_shard``): every transformer
+        block's weights are split over ``fsdp_degree`` ranks and all-gathered just in time (the next
+        block's gather prefetched while the current one computes), then freed again. It overlaps the
+        other axes: the ranks that share the weights are the same ranks that split the sequence and
+        the CFG branches, so it must divide the world size (groups of contiguous ranks: with
+        ``fsdp_degree <= sequence_degree`` a group lies inside one sequence group). 1 = off.
+    fsdp_text_encoder: with ``fsdp_degree > 1``, shard the pipeline's text encoder(s) the same way.
     """
 
     sequence_degree: int | None = None
@@ -260,6 +271,9 @@ class ParallelConfig(_ConfigMixin):
     vae_overlap: int | None = None
     vae_gather: str = "all"
     world_size: int | None = None
+    tp_degree: int = 1
+    fsdp_degree: int = 1
+    fsdp_text_encoder: bool = True
 
     def __post_init__(self):
         _check_int("sequence_degree", self.sequence_degree, lo=1, allow_none=True)
@@ -277,6 +291,13 @@ class ParallelConfig(_ConfigMixin):
         _check_int("vae_overlap", self.vae_overlap, lo=1, allow_none=True)
         _check_choice("vae_gather", self.vae_gather, ("all", "rank0"))
         _check_int("world_size", self.world_size, lo=1, allow_none=True)
+        _check_int("tp_degree", self.tp_degree, lo=1)
+        _check_int("fsdp_degree", self.fsdp_degree, lo=1)
+        _check_bool("fsdp_text_encoder", self.fsdp_text_encoder)
+        if self.tp_degree > 1 and self.fsdp_degree > 1:
+            raise ConfigError(f"tp_degree={self.tp_degree} and fsdp_degree={self.fsdp_degree} cannot be combined "
+                              "(2-D FSDP x TP sharding is not available); use one of them: valid (tp_degree, "
+                              f"fsdp_degree) here: [({self.tp_degree}, 1), (1, {self.fsdp_degree})]")
         if self.vae_parallel != "chunked":
             mode = f"{self.vae_parallel!r}" if self.vae_parallel else "None (exact when world_size > 1)"
             for name in ("vae_chunk_size", "vae_overlap"):
@@ -288,10 +309,11 @@ class ParallelConfig(_ConfigMixin):
                                   f"vae_parallel is {mode}; valid vae_gather here: ['all']")
 
     def processes_needed(self) -> int:
-        """The fewest processes the degrees asked for need: cfg_degree x sequence degree (sequence_degree, or
-        ulysses_degree x ring_degree), or ``world_size`` when that is larger; 1 = one process can run this config."""
+        """The fewest processes the degrees asked for need: cfg_degree x tp_degree x sequence degree
+        (sequence_degree, or ulysses_degree x ring_degree), at least fsdp_degree, or ``world_size`` when that is
+        larger; 1 = one process can run this config."""
         seq = self.sequence_degree or (self.ulysses_degree or 1) * (self.ring_degree or 1)
-        return max(self.cfg_degree * seq, self.world_size or 1)
+        return max(self.cfg_degree * self.tp_degree * seq, self.fsdp_degree, self.world_size or 1)
 
     def resolve(self, world_size: int) -> tuple[int, int]:
         """Return (cfg_degree, sequence_degree) for ``world_size`` or raise listing valid choices."""
@@ -311,21 +333,34 @@ class ParallelConfig(_ConfigMixin):
                 f"cfg_degree={self.cfg_degree} does not divide world_size={world_size}; "
                 f"valid cfg_degree values: {[c for c in (1, 2) if world_size % c == 0]}"
             )
+        tp = self.tp_degree
+        if (world_size // self.cfg_degree) % tp:
+            rest = world_size // self.cfg_degree
+            raise ConfigError(
+                f"tp_degree={tp} does not divide world_size={world_size} / cfg_degree={self.cfg_degree} = {rest}; "
+                f"valid tp_degree values: {[d for d in range(1, rest + 1) if rest % d == 0]}"
+            )
+        if world_size % self.fsdp_degree:
+            raise ConfigError(
+                f"fsdp_degree={self.fsdp_degree} does not divide world_size={world_size}; valid fsdp_degree "
+                f"values: {[d for d in range(1, world_size + 1) if world_size % d == 0]}"
+            )
         u, r = self.ulysses_degree, self.ring_degree
         if self.sequence_degree is not None:
             seq = self.sequence_degree
         elif u is not None and r is not None:
             seq = u * r
         else:
-            seq = world_size // self.cfg_degree
-        if seq * self.cfg_degree != world_size:
+            seq = world_size // (self.cfg_degree * tp)
+        if seq * self.cfg_degree * tp != world_size:
+            tp_part = f" x tp_degree={tp}" if tp > 1 else ""
             if self.sequence_degree is None:  # the product of the two given degrees does not fit
                 raise self._pairs_error(world_size, f"ulysses_degree={u} x ring_degree={r} x cfg_degree="
-                                                    f"{self.cfg_degree} must equal world_size={world_size}")
-            valid = [d for d in range(1, world_size + 1) if d * self.cfg_degree == world_size]
+                                                    f"{self.cfg_degree}{tp_part} must equal world_size={world_size}")
+            valid = [d for d in range(1, world_size + 1) if d * self.cfg_degree * tp == world_size]
             raise ConfigError(
-                f"sequence_degree={seq} x cfg_degree={self.cfg_degree} must equal world_size={world_size}; "
-                f"valid sequence_degree for this cfg_degree: {valid}"
+                f"sequence_degree={seq} x cfg_degree={self.cfg_degree}{tp_part} must equal world_size={world_size}; "
+                f"valid sequence_degree for this cfg_degree{' and tp_degree' if tp > 1 else ''}: {valid}"
             )
         if u is None and r is None:
             return self.cfg_degree, seq, 1
@@ -350,10 +385,12 @@ class ParallelConfig(_ConfigMixin):
             )
 
     def _pairs_error(self, world_size: int, what: str) -> ConfigError:
-        seq = self.sequence_degree if self.sequence_degree is not None else world_size // self.cfg_degree
+        seq = (self.sequence_degree if self.sequence_degree is not None
+               else world_size // (self.cfg_degree * self.tp_degree))
         pairs = [(d, seq // d) for d in range(1, seq + 1) if seq % d == 0]
+        tp = f", tp_degree={self.tp_degree}" if self.tp_degree > 1 else ""
         return ConfigError(f"{what}; valid (ulysses_degree, ring_degree) pairs for world_size={world_size}, "
-                           f"cfg_degree={self.cfg_degree}: {pairs}")
+                           f"cfg_degree={self.cfg_degree}{tp}: {pairs}")
 
 
 @dataclass(frozen=True)
@@ -407,7 +444,7 @@ class CacheConfig(_ConfigMixin):
 
 @dataclass(frozen=True)
 class QuantConfig(_ConfigMixin):
-    """Quantized Linear layers (see :mod:`lite_boost.quant`).
+    r"""Quantized Linear layers (see :mod:`lite_boost.quant`).
 
     method: "int8_dynamic" (int8 weights x int8 activations, dynamic per token; CPU, CUDA),
         "int8_weight_only" (int8 weights; CPU, CUDA), "fp8" (float8_e4m3 weights x activations,
@@ -630,6 +667,7 @@ class BoostConfig(_ConfigMixin):
 #     alg: CP                   context (sequence) parallel over every rank: Ulysses x Ring
 #     world_size: N             world_size
 #     ulysses_degree / ring_degree / cfg_degree / sequence_degree / rotate_method   (lite_boost extensions)
+#     tp_degree / fsdp_degree / fsdp_text_encoder   tensor parallelism, FSDP2 weight sharding (lite_boost extensions)
 #   vae:
 #     alg: DP                   vae_parallel: the VAE decode / encode split over the ranks ("NONE": every
 #                               rank runs the whole VAE, vae_parallel="off")
@@ -640,7 +678,8 @@ BOOST_MANAGER_DIT_ALGS = ("CP",)
 BOOST_MANAGER_VAE_ALGS = ("DP", "NONE")
 _BM_SECTIONS = ("dit", "vae", "world_size")
 _BM_DIT = {"alg": None, "world_size": None, "ulysses_degree": "ulysses_degree", "ring_degree": "ring_degree",
-           "cfg_degree": "cfg_degree", "sequence_degree": "sequence_degree", "rotate_method": "rotate_method"}
+           "cfg_degree": "cfg_degree", "sequence_degree": "sequence_degree", "rotate_method": "rotate_method",
+           "tp_degree": "tp_degree", "fsdp_degree": "fsdp_degree", "fsdp_text_encoder": "fsdp_text_encoder"}
 _BM_VAE = {"alg": None, "world_size": None, "mode": None, "overlap": "vae_overlap", "chunk_size": "vae_chunk_size",
            "gather": "vae_gather"}
 
@@ -693,6 +732,13 @@ def parallel_from_boost_manager(section: Any) -> dict[str, Any]:
     if "rotate_method" in dit:
         _check_choice("Parallel.dit.rotate_method", dit["rotate_method"], ROTATE_METHODS)
         out["rotate_method"] = dit["rotate_method"]
+    for key in ("tp_degree", "fsdp_degree"):
+        if key in dit:
+            _check_int(f"Parallel.dit.{key}", dit[key], lo=1)
+            out[key] = dit[key]
+    if "fsdp_text_encoder" in dit:
+        _check_bool("Parallel.dit.fsdp_text_encoder", dit["fsdp_text_encoder"])
+        out["fsdp_text_encoder"] = dit["fsdp_text_encoder"]
     alg = _bm_alg("Parallel.vae.alg", vae["alg"], BOOST_MANAGER_VAE_ALGS) if "alg" in vae else None
     mode = vae.get("mode")
     if mode is not None:

@@ -114,7 +114,7 @@ def tiny_wan_pipeline(kind: str = "t2v", *, spec: TinyWanSpec | None = None, see
     if kind not in ("t2v", "i2v"):
         raise ValueError(f"kind must be 't2v' or 'i2v', got {kind!r}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
     from transformers import UMT5Config, UMT5EncoderModel
 
     spec = spec or TinyWanSpec()
@@ -135,10 +135,17 @@ def tiny_wan_pipeline(kind: str = "t2v", *, spec: TinyWanSpec | None = None, see
     kwargs = dict(tokenizer=_tokenizer(), text_encoder=text_encoder, vae=vae, scheduler=scheduler,
                   transformer=transformer, transformer_2=transformer_2,
                   boundary_ratio=boundary_ratio if two_stage else None)
-    if kind == "t2v":
+    if kind == "t2v":  # WanImageToVideoPipeline is imported only for i2v (its module pulls in the CLIP classes)
+        from diffusers import WanPipeline
+
         pipe = WanPipeline(**kwargs)
     else:
-        from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+        import transformers
+        from diffusers import WanImageToVideoPipeline
+        from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+        # the PIL processor by its own name where transformers has it (its torchvision one needs torchvision)
+        CLIPImageProcessor = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
 
         torch.manual_seed(seed + 4)
         image_encoder = CLIPVisionModelWithProjection(

@@ -194,7 +194,7 @@ def test_cli_flags_reach_the_config_and_bad_degrees_stop_before_torchrun():
 
 
 def test_mesh_layout_ulysses_contiguous_ring_strided():
-    seq, cfg, uly, ring = _mesh_ranks(2, 4, 2)  # 8 ranks: cfg 2 x ring 2 x ulysses 2
+    seq, cfg, uly, ring, _, _ = _mesh_ranks(2, 4, 2)  # 8 ranks: cfg 2 x ring 2 x ulysses 2
     assert seq == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert cfg == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert uly == [[0, 1], [2, 3], [4, 5], [6, 7]]  # inside a node

@@ -119,6 +119,8 @@ class ModelFamily:
     unsupported: feature -> why not, for features the data would otherwise imply (or to explain a
         missing one in ``lite-boost models``).
     notes: one line for ``lite-boost models`` (e.g. what runs on one rank).
+    tensor_parallel: which Linear layers ``tp_degree`` splits (:class:`~lite_boost.parallel.shard.TensorParallelPlan`),
+        or None: diffusers' ``_tp_plan`` of the model class when it has one, else no tensor parallelism.
     """
 
     name: str
@@ -137,6 +139,7 @@ class ModelFamily:
     quant_patterns: tuple[str, ...] = ()
     unsupported: Mapping[str, str] = field(default_factory=dict)
     notes: str = ""
+    tensor_parallel: Any = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:

@@ -28,6 +28,7 @@ from ..config import ConfigError
 from ..ops.attention import attention
 from ..ops.rope import RotaryEmbedding, apply_rotary_emb, rope_tables, rotate
 from ..parallel.plan import CfgPlan, GatherOutput, PipelinePlan, ShardingPlan, SplitInput, SplitOutput
+from ..parallel.shard import TensorParallelPlan
 from ..registry import register_family
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "WAN_SHARDING_PLAN",
     "WAN_PIPELINE_PLAN",
     "WAN_CACHE_ADAPTER",
+    "WAN_TP_PLAN",
 ]
 
 logger = logging.getLogger("lite_boost.models.wan")
@@ -215,6 +217,22 @@ WAN_SHARDING_PLAN = ShardingPlan(
 WAN_PIPELINE_PLAN = PipelinePlan(transformers=TRANSFORMER_ATTRS, cfg=CfgPlan(), prepare_latents="prepare_latents")
 
 # ----------------------------------------------------------------------------------------- the family
+# Tensor parallelism: heads of both attentions (q / k / v colwise, out rowwise; the I2V image projections
+# too) and the FFN (in colwise, out rowwise). Wan's q / k norms are RMS norms across all heads
+# (qk_norm="rms_norm_across_heads"): distributed over the tp group.
+WAN_TP_PLAN = TensorParallelPlan(
+    layers={
+        **{f"blocks.*.{a}.{p}": "colwise" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v")},
+        "blocks.*.attn2.add_k_proj": "colwise",
+        "blocks.*.attn2.add_v_proj": "colwise",
+        **{f"blocks.*.{a}.to_out.0": "rowwise" for a in ("attn1", "attn2")},
+        "blocks.*.ffn.net.0.proj": "colwise",
+        "blocks.*.ffn.net.2": "rowwise",
+    },
+    norms=tuple(f"blocks.*.{a}.{n}" for a in ("attn1", "attn2") for n in ("norm_q", "norm_k")) + (
+        "blocks.*.attn2.norm_added_k",),
+)
+
 WAN = register_family(ModelFamily(
     name="wan",
     transformers=("WanTransformer3DModel",),
@@ -227,6 +245,7 @@ WAN = register_family(ModelFamily(
     timestep_module="condition_embedder",
     sharding=WAN_SHARDING_PLAN,
     pipeline=WAN_PIPELINE_PLAN,
+    tensor_parallel=WAN_TP_PLAN,
     cache=WAN_CACHE_ADAPTER,
     quant_patterns=("blocks.*",),
     notes="text (512 tokens) and the I2V image context enter through cross-attention, local on every rank",

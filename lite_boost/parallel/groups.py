@@ -1,4 +1,4 @@
-"""Process-group mesh (cfg x ring x ulysses) initialised from the torchrun environment.
+"""Process-group mesh (cfg x ring x ulysses x tp, plus the fsdp weight-sharding groups) from the torchrun environment.
 
 ``init_mesh(config)`` reads ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` (and ``MASTER_ADDR`` /
 ``MASTER_PORT`` for the default ``env://`` rendezvous), validates the requested degrees against the
@@ -7,8 +7,10 @@ on Ascend, gloo on CPU), initialises the default process group with a finite tim
 already did, and builds the sub-groups of the mesh. Every validation happens before the first
 collective, so a bad setting fails identically and immediately on every rank.
 
-Rank layout: ``rank = cfg_rank * sequence_degree + sequence_rank`` and, inside a sequence group,
-``sequence_rank = ring_rank * ulysses_degree + ulysses_rank``. The ranks of one Ulysses group are
+Rank layout: ``rank = (cfg_rank * sequence_degree + sequence_rank) * tp_degree + tp_rank`` and, inside
+a sequence group, ``sequence_rank = ring_rank * ulysses_degree + ulysses_rank``. The tensor-parallel ranks
+(``tp_degree``, an all-reduce per block: the chattiest traffic) are the innermost, contiguous ones; with
+``tp_degree`` 1 the layout is ``rank = cfg_rank * sequence_degree + sequence_rank``. The ranks of one Ulysses group are
 contiguous (the chatty all_to_all traffic stays inside a node when a node holds a whole Ulysses
 group); a ring group holds every ``ulysses_degree``-th rank of a sequence group (its point-to-point
 K/V traffic is the part that crosses nodes, hidden behind compute); a cfg group holds the ranks with
@@ -16,6 +18,14 @@ the same ``sequence_rank``. With this order the sequence shards stay contiguous 
 flattened sequence group: the split hooks, the RoPE rows and the final gather are the same for any
 (ulysses, ring) split, and after the Ulysses all_to_all a rank holds super-chunk ``ring_rank`` of the
 sequence for its heads.
+
+FSDP weight sharding does not add an axis: ``fsdp_degree`` ranks that already do different work
+(tokens, CFG branch) share one copy of the weights. Its groups are contiguous blocks of
+``fsdp_degree`` ranks, so a group lies inside one sequence group when ``fsdp_degree <=
+sequence_degree`` (the ranks that run the same number of blocks per step, whatever a data-dependent
+step cache decides, since those decisions are made once per sequence group) and spans the CFG
+branches beyond that. :meth:`ParallelMesh.device_mesh` wraps the fsdp and tp groups as named
+``torch.distributed.device_mesh.DeviceMesh`` objects for ``fully_shard`` and ``parallelize_module``.
 
 Nothing here is a process-wide singleton: the mesh is an ordinary object owned by whoever created it
 (``ParallelManager`` keeps it on the boosted model's state). The only global state touched is
@@ -119,6 +129,8 @@ class ParallelMesh:
         cfg: Communicator over the ranks that hold the same sequence shard of the other CFG branch.
         world: Communicator over all ranks (latent broadcast).
         rotate_method: how Ring attention moves K/V ("p2p" or "allgather").
+        tp_degree, tp: tensor-parallel degree and the Communicator over this rank's TP group.
+        fsdp_degree, fsdp: FSDP weight-sharding degree and the Communicator over this rank's FSDP group.
         owns_default_group: True when this mesh created the default process group (``destroy`` then
             tears it down).
     """
@@ -140,7 +152,12 @@ class ParallelMesh:
     ulysses: Communicator | None = None
     ring: Communicator | None = None
     rotate_method: str = "p2p"
+    tp_degree: int = 1
+    tp: Communicator | None = None
+    fsdp_degree: int = 1
+    fsdp: Communicator | None = None
     _destroyed: bool = field(default=False, repr=False)
+    _device_meshes: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if self.ulysses_degree is None:
@@ -154,14 +171,39 @@ class ParallelMesh:
             self.ring = self.sequence
         if self.ulysses is None or self.ring is None:
             raise ValueError("a mesh with both ulysses_degree and ring_degree > 1 needs its ulysses and ring communicators")
+        for name in ("tp", "fsdp"):
+            if getattr(self, name) is None:
+                if getattr(self, f"{name}_degree") > 1:
+                    raise ValueError(f"a mesh with {name}_degree > 1 needs its {name} communicator")
+                setattr(self, name, Communicator(None, 1, 0, name=name, ranks=(self.rank,)))
 
     @property
     def cfg_rank(self) -> int:
-        return self.rank // self.sequence_degree
+        return self.rank // (self.sequence_degree * self.tp_degree)
 
     @property
     def sequence_rank(self) -> int:
-        return self.rank % self.sequence_degree
+        return (self.rank // self.tp_degree) % self.sequence_degree
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_degree
+
+    def device_mesh(self, name: str):
+        """The ``torch.distributed`` ``DeviceMesh`` of this rank's ``name`` group ("tp" or "fsdp"), with that
+        dimension name (built once, on the mesh's existing process group: no collective)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if name not in ("tp", "fsdp"):
+            raise ValueError(f"device_mesh name must be 'tp' or 'fsdp', got {name!r}")
+        comm = getattr(self, name)
+        if comm.size == 1:
+            raise ValueError(f"{name}_degree is 1: no {name} device mesh")
+        if name not in self._device_meshes:
+            group = comm.group if comm.group is not None else dist.group.WORLD
+            self._device_meshes[name] = DeviceMesh.from_group(group, self.device.type, mesh=list(comm.ranks),
+                                                              mesh_dim_names=(name,))
+        return self._device_meshes[name]
 
     @property
     def ulysses_rank(self) -> int:
@@ -180,9 +222,15 @@ class ParallelMesh:
         if self.ring_degree > 1:
             split = (f" = ring {self.ring_rank}/{self.ring_degree} x ulysses {self.ulysses_rank}/{self.ulysses_degree}"
                      f", {self.rotate_method}")
+        extra = ""
+        if self.tp_degree > 1:
+            extra += f", tp {self.tp_rank}/{self.tp_degree}"
+        if self.fsdp_degree > 1:
+            extra += f", fsdp {self.fsdp.rank}/{self.fsdp_degree}"
         return (
             f"rank {self.rank}/{self.world_size} (cfg {self.cfg_rank}/{self.cfg_degree}, "
-            f"sequence {self.sequence_rank}/{self.sequence_degree}{split}) on {self.device} via {self.backend or 'none'}"
+            f"sequence {self.sequence_rank}/{self.sequence_degree}{split}{extra}) on {self.device} via "
+            f"{self.backend or 'none'}"
         )
 
     def destroy(self) -> None:
@@ -201,7 +249,8 @@ class ParallelMesh:
                 dist.barrier()
             except Exception:  # noqa: BLE001 - a dead peer: tear down anyway
                 pass
-        comms = {id(c): c for c in (self.sequence, self.cfg, self.ulysses, self.ring) if c is not None}
+        comms = {id(c): c for c in (self.sequence, self.cfg, self.ulysses, self.ring, self.tp, self.fsdp)
+                 if c is not None}
         for comm in comms.values():
             if comm.group is not None and comm.owns_group:
                 try:
@@ -212,15 +261,24 @@ class ParallelMesh:
             dist.destroy_process_group()
 
 
-def _mesh_ranks(cfg_degree: int, sequence_degree: int, ulysses_degree: int | None = None):
-    """Global ranks of every (sequence, cfg, ulysses, ring) group, each list in group-rank order."""
+def _mesh_ranks(cfg_degree: int, sequence_degree: int, ulysses_degree: int | None = None, tp_degree: int = 1,
+                fsdp_degree: int = 1):
+    """Global ranks of every (sequence, cfg, ulysses, ring, tp, fsdp) group, each list in group-rank order."""
     u = sequence_degree if ulysses_degree is None else ulysses_degree
     r = sequence_degree // u
-    seq_groups = [list(range(c * sequence_degree, (c + 1) * sequence_degree)) for c in range(cfg_degree)]
-    cfg_groups = [[c * sequence_degree + s for c in range(cfg_degree)] for s in range(sequence_degree)]
-    uly_groups = [[c * sequence_degree + i * u + j for j in range(u)] for c in range(cfg_degree) for i in range(r)]
-    ring_groups = [[c * sequence_degree + i * u + j for i in range(r)] for c in range(cfg_degree) for j in range(u)]
-    return seq_groups, cfg_groups, uly_groups, ring_groups
+    t = tp_degree
+    world = cfg_degree * sequence_degree * t
+
+    def g(c, s, k):  # global rank of (cfg rank, sequence rank, tp rank)
+        return (c * sequence_degree + s) * t + k
+
+    seq_groups = [[g(c, s, k) for s in range(sequence_degree)] for c in range(cfg_degree) for k in range(t)]
+    cfg_groups = [[g(c, s, k) for c in range(cfg_degree)] for s in range(sequence_degree) for k in range(t)]
+    uly_groups = [[g(c, i * u + j, k) for j in range(u)] for c in range(cfg_degree) for i in range(r) for k in range(t)]
+    ring_groups = [[g(c, i * u + j, k) for i in range(r)] for c in range(cfg_degree) for j in range(u) for k in range(t)]
+    tp_groups = [[g(c, s, k) for k in range(t)] for c in range(cfg_degree) for s in range(sequence_degree)]
+    fsdp_groups = [list(range(i, i + fsdp_degree)) for i in range(0, world, fsdp_degree)]
+    return seq_groups, cfg_groups, uly_groups, ring_groups, tp_groups, fsdp_groups
 
 
 def init_mesh(
@@ -261,6 +319,7 @@ def init_mesh(
 
     cfg_degree, ulysses_degree, ring_degree = config.resolve_mesh(world_size)
     sequence_degree = ulysses_degree * ring_degree
+    tp_degree, fsdp_degree = config.tp_degree, config.fsdp_degree
 
     if device is None:
         device = default_device(local_rank)
@@ -304,12 +363,15 @@ def init_mesh(
     world_group = dist.group.WORLD if world_size > 1 else None
     timeout_s = float(config.timeout_s)
     comms = {name: Communicator(None, size=1, rank=0, name=name, ranks=(rank,), timeout_s=timeout_s)
-             for name in ("sequence", "cfg", "ulysses", "ring")}
+             for name in ("sequence", "cfg", "ulysses", "ring", "tp", "fsdp")}
     if world_size > 1:
-        seq_groups, cfg_groups, uly_groups, ring_groups = _mesh_ranks(cfg_degree, sequence_degree, ulysses_degree)
+        seq_groups, cfg_groups, uly_groups, ring_groups, tp_groups, fsdp_groups = _mesh_ranks(
+            cfg_degree, sequence_degree, ulysses_degree, tp_degree, fsdp_degree)
         layout = [("sequence", seq_groups, sequence_degree), ("cfg", cfg_groups, cfg_degree)]
         if ring_degree > 1 and ulysses_degree > 1:  # else the sequence group serves both (no extra groups)
             layout += [("ulysses", uly_groups, ulysses_degree), ("ring", ring_groups, ring_degree)]
+        # (appended last: the groups a mesh without tp / fsdp creates keep their order)
+        layout += [("tp", tp_groups, tp_degree), ("fsdp", fsdp_groups, fsdp_degree)]
         # Every rank creates every sub-group in the same order (new_group is collective).
         for name, ranks_list, degree in layout:
             for ranks in ranks_list:
@@ -350,4 +412,8 @@ def init_mesh(
         ulysses=comms["ulysses"],
         ring=comms["ring"],
         rotate_method=config.rotate_method,
+        tp_degree=tp_degree,
+        tp=comms["tp"],
+        fsdp_degree=fsdp_degree,
+        fsdp=comms["fsdp"],
     )

@@ -19,7 +19,10 @@ calls :func:`parallelize` here with the family's plans. Nothing here knows any m
    cfg rank run its half of the batch, and the output is gathered on the batch;
 4. the latents prepared by the pipeline are broadcast from rank 0, so every rank starts from the same
    noise even without a generator;
-5. the pipeline's VAE decode / encode is spread over the ranks where a parallel-VAE adapter exists.
+5. the pipeline's VAE decode / encode is spread over the ranks where a parallel-VAE adapter exists;
+6. with ``tp_degree`` > 1 each transformer's planned Linear layers are split over the tp group, with
+   ``fsdp_degree`` > 1 its blocks (and the text encoders) are sharded with FSDP2 over the fsdp group
+   (:mod:`lite_boost.parallel.shard`).
 """
 
 from __future__ import annotations
@@ -291,8 +294,12 @@ class _ModelParallel:
     patched: list = field(default_factory=list)  # instance attributes we set (to delete on restore)
     priors: dict = field(default_factory=dict)  # instance attributes we replaced (e.g. a diffusers hook's forward)
     cache: Any = None  # RankConsistentCache (step-cache decisions made once per sequence group)
+    weights: list = field(default_factory=list)  # FsdpShards / TensorParallelShards (collective to undo)
 
     def remove(self, model):
+        for shards in reversed(self.weights):
+            shards.remove()
+        self.weights.clear()
         if self.cache is not None:
             self.cache.remove()
             self.cache = None
@@ -313,6 +320,7 @@ class _PipelineParallel:
     config: BoostConfig
     models: list
     patched: list = field(default_factory=list)
+    weights: list = field(default_factory=list)  # FsdpShards of the text encoders
 
 
 def parallel_state(model):
@@ -415,8 +423,27 @@ def _sequence_attention(mesh: ParallelMesh):
     return wrap
 
 
+def text_encoders(target) -> list:
+    """(attribute, module) of the pipeline's text encoders (``text_encoder``, ``text_encoder_2``, ...)."""
+    out = []
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        module = getattr(target, name, None)
+        if isinstance(module, torch.nn.Module):
+            out.append((name, module))
+    return out
+
+
+def _shard_model(model, state, tp_plan, mesh: ParallelMesh) -> None:
+    from .shard import apply_tensor_parallel, shard_weights
+
+    if mesh.tp_degree > 1:
+        state.weights.append(apply_tensor_parallel(model, tp_plan, mesh.device_mesh("tp"), mesh.tp))
+    if mesh.fsdp_degree > 1:
+        state.weights.append(shard_weights(model, mesh.device_mesh("fsdp"), mesh.fsdp))
+
+
 def parallelize(target, models, plans, pipeline_plan: PipelinePlan | None, config: BoostConfig,
-                mesh: ParallelMesh, *, vae_adapter=None):
+                mesh: ParallelMesh, *, vae_adapter=None, tp_plans=None):
     """Apply sequence / CFG parallelism to already boosted ``models`` of ``target``; returns ``target``.
 
     Args:
@@ -427,6 +454,8 @@ def parallelize(target, models, plans, pipeline_plan: PipelinePlan | None, confi
         config: the boost config (timeouts, VAE settings).
         mesh: the cfg x sequence mesh.
         vae_adapter: the parallel-VAE adapter of ``target.vae`` (from :func:`check_vae`), or None.
+        tp_plans: the models' :class:`~lite_boost.parallel.shard.TensorParallelPlan` (one per model; used with
+            ``tp_degree`` > 1).
 
     The caller validated everything before (no check here may fail half-way between collectives).
     """
@@ -434,7 +463,8 @@ def parallelize(target, models, plans, pipeline_plan: PipelinePlan | None, confi
         return target
     cfg_plan = pipeline_plan.cfg_for(target) if pipeline_plan is not None else None
     active = _CfgActive(target, cfg_plan) if cfg_plan is not None else None
-    for model, plan in zip(models, plans):
+    tp_plans = list(tp_plans) if tp_plans is not None else [None] * len(models)
+    for model, plan, tp_plan in zip(models, plans, tp_plans):
         state = _ModelParallel(mesh=mesh)
         if mesh.sequence_degree > 1:
             state.hooks = SequenceParallelHooks(model, plan, mesh.sequence, _sequence_attention(mesh)).apply()
@@ -462,11 +492,19 @@ def parallelize(target, models, plans, pipeline_plan: PipelinePlan | None, confi
             state.cfg = cfg
             state.patched += ["forward", "cache_context"]
         model._lite_boost.extras[_MODEL_KEY] = state
+        _shard_model(model, state, tp_plan, mesh)
 
     if vae_adapter is not None:
         _install_vae(target.vae, vae_adapter, config, mesh)
     if pipeline_plan is not None:
         pstate = _PipelineParallel(mesh=mesh, config=config, models=list(models))
+        if mesh.fsdp_degree > 1 and config.parallel.fsdp_text_encoder:
+            from .shard import block_class_names, shard_weights
+
+            for _, encoder in text_encoders(target):
+                if block_class_names(encoder):
+                    pstate.weights.append(shard_weights(encoder, mesh.device_mesh("fsdp"), mesh.fsdp,
+                                                        root_params=True))
         if pipeline_plan.prepare_latents and hasattr(target, pipeline_plan.prepare_latents):
             _broadcast_latents(target, pipeline_plan.prepare_latents, mesh)
             pstate.patched.append(pipeline_plan.prepare_latents)
@@ -487,6 +525,9 @@ def unparallelize(target):
     models = [target]
     pstate = target.__dict__.get(_PIPE_ATTR) if hasattr(target, "__dict__") else None
     if pstate is not None:
+        for shards in reversed(pstate.weights):
+            shards.remove()
+        pstate.weights.clear()
         for name in pstate.patched:
             if name in target.__dict__:
                 object.__delattr__(target, name)

@@ -1,0 +1,413 @@
+"""Weight sharding for inference: FSDP2 (``fully_shard``) and tensor parallelism (DTensor ``parallelize_module``).
+
+Nothing here knows any model: what to shard is found from the model's own declarations (diffusers'
+``_repeated_blocks`` / transformers' ``_no_split_modules`` name the block classes; a
+:class:`TensorParallelPlan`, from the model family or diffusers' ``_tp_plan``, names the Linear layers).
+
+FSDP2 (:func:`shard_weights`): every block, and every other child module with weights (embeddings,
+output projection), gets ``fully_shard(..., reshard_after_forward=True)`` over the mesh's fsdp group,
+so a rank keeps ``1 / fsdp_degree`` of each weight and holds one block's full weights (plus the
+prefetched next one) at a time. The model itself is no FSDP unit (see :func:`shard_weights`). Each block
+prefetches the next block's all-gather (``set_modules_to_forward_prefetch``): the gather is issued when
+the current block starts, runs in the backend's background (a side stream on CUDA / NPU, gloo's worker
+thread on CPU) and is waited for when the next block starts. A failed or stalled gather raises
+:class:`~lite_boost.parallel.comm.CollectiveError` naming ``fsdp_all_gather[<block path>]``, the fsdp
+group and the wait. The blocks keep their class names in the instance's ``_repeated_blocks``
+(``fully_shard`` gives each sharded module an ``FSDP<Class>`` subclass), so diffusers'
+``compile_repeated_blocks`` still finds them (the FSDP hooks are traced with the block). Torchao's
+quantized weight tensors cannot be split by FSDP2 (no ``aten.split`` on ``Int8Tensor``): that
+combination is refused up front (:func:`check_fsdp`).
+
+Tensor parallelism (:func:`apply_tensor_parallel`): the plan's "colwise" layers (q / k / v, the FFN's
+first projection) keep ``1 / tp_degree`` of their output features, the "rowwise" ones (attention
+output, FFN's second projection) the matching input features, followed by one all-reduce. Every
+attention module above a colwise layer sees its local head count (``heads``, ``inner_dim``, ... set on
+the instance, restored on removal), so the processors split heads as before. RMS norms that normalise
+across all heads (``TensorParallelPlan.norms``, Wan's ``qk_norm="rms_norm_across_heads"``) become a
+distributed RMS norm: the sum of squares is all-reduced over the tp group, each rank scales its own
+features by its slice of the weight.
+
+Both are undone by :meth:`remove` (a collective: the full weights are all-gathered back).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from ..config import ConfigError
+from .comm import Communicator
+
+__all__ = ["TensorParallelPlan", "shard_weights", "apply_tensor_parallel", "check_fsdp", "check_tensor_parallel",
+           "block_class_names", "local_parameter_bytes", "FsdpShards", "TensorParallelShards", "HEAD_ATTRS"]
+
+TP_STYLES = ("colwise", "rowwise")
+# attributes of an attention module that count heads or head channels: divided by tp_degree on the instance
+HEAD_ATTRS = ("heads", "kv_heads", "inner_dim", "inner_kv_dim")
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """Which Linear layers of a model tensor parallelism splits.
+
+    layers: module path (``*`` = a ``ModuleList`` index, as in diffusers' ``_tp_plan``) -> "colwise"
+        (output features split: q / k / v, FFN in) or "rowwise" (input features split, then all-reduced:
+        attention out, FFN out); a torch ``ParallelStyle`` is accepted too. Paths that match no module
+        (an optional layer the variant lacks, e.g. the I2V image projections of a T2V model) are skipped.
+    norms: paths of RMS norms applied to a colwise layer's full output (normalising across all heads):
+        computed as a distributed RMS norm over the tp group.
+    """
+
+    layers: Mapping[str, Any]
+    norms: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not self.layers:
+            raise ValueError("a TensorParallelPlan needs at least one layer")
+        for path, style in self.layers.items():
+            if isinstance(style, str) and style not in TP_STYLES:
+                raise ValueError(f"TensorParallelPlan style of {path!r} must be one of {list(TP_STYLES)} or a "
+                                 f"ParallelStyle, got {style!r}")
+
+    @classmethod
+    def from_diffusers(cls, tp_plan) -> "TensorParallelPlan | None":
+        """The plan of a diffusers model class's ``_tp_plan`` (None when it has none)."""
+        return cls(layers=dict(tp_plan)) if tp_plan else None
+
+
+def _pattern(path: str) -> re.Pattern:
+    return re.compile("^" + re.escape(path).replace(r"\*", r"\d+") + "$")
+
+
+def _match(model, paths) -> list[tuple[str, str, torch.nn.Module]]:
+    """(plan path, module name, module) for every module of ``model`` matching one of ``paths``."""
+    pats = [(p, _pattern(p)) for p in paths]
+    out = []
+    for name, module in model.named_modules():
+        for path, pat in pats:
+            if pat.match(name):
+                out.append((path, name, module))
+                break
+    return out
+
+
+def _parent(model, name: str):
+    return model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def block_class_names(module) -> tuple[str, ...]:
+    """The class names of ``module``'s repeated blocks (diffusers' ``_repeated_blocks``, else transformers'
+    ``_no_split_modules``)."""
+    names = getattr(module, "_repeated_blocks", None) or getattr(module, "_no_split_modules", None) or ()
+    return tuple(n for n in names if isinstance(n, str))
+
+
+def local_parameter_bytes(module) -> int:
+    """Bytes of ``module``'s parameters held by this rank (the local shard of a DTensor)."""
+    total = 0
+    for p in module.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+# ------------------------------------------------------------------------------------------ checks
+def _tp_sizes(model, plan: TensorParallelPlan):
+    """[(what, size)] that tp_degree must divide, for ``model`` under ``plan``."""
+    sizes = []
+    heads_seen = set()
+    for path, name, module in _match(model, list(plan.layers)):
+        style = plan.layers[path]
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, torch.nn.Linear) or weight is None:
+            raise ConfigError(f"tensor-parallel plan entry {path!r} matches {name} ({type(module).__name__}), "
+                              "not a Linear layer")
+        if style == "rowwise":
+            sizes.append((f"the {module.in_features} input features of {name}", module.in_features))
+        else:
+            sizes.append((f"the {module.out_features} output features of {name}", module.out_features))
+            parent = _parent(model, name)
+            if id(parent) not in heads_seen and isinstance(getattr(parent, "heads", None), int):
+                heads_seen.add(id(parent))
+                sizes.append((f"the {parent.heads} attention heads of {name.rsplit('.', 1)[0]}", parent.heads))
+    for _, name, norm in _match(model, plan.norms):
+        if isinstance(norm, torch.nn.Identity):  # a variant without the norm (qk_norm=None)
+            continue
+        w = getattr(norm, "weight", None)
+        n = w.numel() if w is not None else int(getattr(norm, "normalized_shape", (0,))[-1])
+        sizes.append((f"the {n} features of {name}", n))
+    return sizes
+
+
+def check_tensor_parallel(model, plan: TensorParallelPlan | None, tp_degree: int, candidates) -> None:
+    """ConfigError, before any collective, when ``model`` cannot be split over ``tp_degree`` ranks.
+
+    ``candidates``: the tp degrees the world size allows (the message lists those that fit the model).
+    """
+    if tp_degree == 1:
+        return
+    name = type(model).__name__
+    if plan is None:
+        raise ConfigError(f"tp_degree={tp_degree}: {name} has no tensor-parallel plan (neither its family record "
+                          "nor diffusers' _tp_plan); valid tp_degree: [1]")
+    if any(getattr(m, "fused_projections", False) for m in model.modules()):
+        raise ConfigError(f"tp_degree={tp_degree}: {name} has fused q/k/v projections (fuse_qkv_projections), "
+                          "which the plan does not split; unfuse them (unfuse_qkv_projections) or use tp_degree=1")
+    sizes = _tp_sizes(model, plan)
+    if not sizes:
+        raise ConfigError(f"tp_degree={tp_degree}: the tensor-parallel plan of {name} matches no layer; valid "
+                          "tp_degree: [1]")
+    bad = [(what, n) for what, n in sizes if n % tp_degree]
+    if bad:
+        valid = [d for d in candidates if all(n % d == 0 for _, n in sizes)]
+        raise ConfigError(f"tp_degree={tp_degree} does not divide {bad[0][0]} of {name}"
+                          f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}; valid tp_degree for this model "
+                          f"and world size: {valid}")
+
+
+def check_fsdp(target_name: str, modules, fsdp_degree: int, quant) -> None:
+    """ConfigError, before any collective, when the ``modules`` cannot be sharded over ``fsdp_degree`` ranks."""
+    if fsdp_degree == 1:
+        return
+    if quant is not None:
+        raise ConfigError(f"fsdp_degree={fsdp_degree} with quant={quant.method!r}: FSDP2 cannot split torchao's "
+                          "quantized weight tensors (no aten.split on them). Valid: fsdp_degree=1 with quant, or "
+                          "quant=None with fsdp_degree")
+    for label, module in modules:
+        if not block_class_names(module):
+            raise ConfigError(f"fsdp_degree={fsdp_degree}: {target_name}.{label} ({type(module).__name__}) names no "
+                              "repeated block class (_repeated_blocks / _no_split_modules) to shard block by block; "
+                              "valid fsdp_degree: [1]")
+
+
+# ------------------------------------------------------------------------------------------ FSDP2
+@dataclass
+class FsdpShards:
+    """What :func:`shard_weights` did to one module (to undo it)."""
+
+    module: torch.nn.Module
+    sharded: list  # FSDP units: blocks, the other children with parameters, the root
+    blocks: list
+    comm: Communicator
+    priors: dict = field(default_factory=dict)  # instance attributes replaced (``_repeated_blocks``)
+
+    def remove(self) -> None:
+        """All-gather the full weights back and take FSDP off (collective: every rank of the group)."""
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        module = self.module
+        full = {}
+        for name, p in module.named_parameters():
+            if isinstance(p, DTensor):
+                full[name] = (self.comm._call("fsdp_all_gather[unshard]", p.full_tensor), p.requires_grad)
+        for m in self.sharded:
+            state = m._get_fsdp_state()
+            for handle in {id(h): h for h in (state._pre_forward_hook_handle, state._post_forward_hook_handle)}.values():
+                handle.remove()
+            group = state._fsdp_param_group
+            if group is not None:
+                for handles in (group._module_to_pre_save_state_dict_hook_handle,
+                                group._module_to_pre_load_state_dict_hook_handle):
+                    for h in handles.values():
+                        h.remove()
+            _module_state_mapping.pop(m, None)
+            cls = type(m)
+            if issubclass(cls, FSDPModule):
+                m.__class__ = next(b for b in cls.__mro__[1:] if not issubclass(b, FSDPModule) and b is not object)
+        for name, (tensor, requires_grad) in full.items():
+            owner = _parent(module, name)
+            owner.register_parameter(name.rsplit(".", 1)[-1], torch.nn.Parameter(tensor, requires_grad=requires_grad))
+        for name, value in self.priors.items():
+            if value is None:
+                module.__dict__.pop(name, None)
+            else:
+                setattr(module, name, value)
+        self.sharded = []
+
+
+def _named_errors(group, name: str, comm: Communicator) -> None:
+    """Make a failed or stalled all-gather of FSDP param group ``group`` raise CollectiveError naming it."""
+    op = f"fsdp_all_gather[{name or 'root'}]"
+    for attr in ("unshard", "wait_for_unshard"):
+        inner = getattr(group, attr)
+
+        def wrapped(*args, _inner=inner, **kwargs):
+            if torch.compiler.is_compiling():
+                return _inner(*args, **kwargs)
+            return comm._call(op, _inner, *args, **kwargs)
+
+        setattr(group, attr, wrapped)
+
+
+def _units(module, names):
+    """(blocks, other units) of ``module``: its repeated blocks (outermost), and the direct children with
+    parameters next to them (embeddings, output projections), descending into children that hold blocks."""
+    blocks, others = [], []
+
+    def walk(prefix, mod):
+        for child_name, child in mod.named_children():
+            path = f"{prefix}{child_name}"
+            if type(child).__name__ in names:
+                blocks.append((path, child))
+            elif any(type(m).__name__ in names for m in child.modules()):
+                walk(path + ".", child)
+            elif any(True for _ in child.parameters()):
+                others.append((path, child))
+
+    walk("", module)
+    # a parameter shared by two units (tied embeddings) stays whole: FSDP would split one owner only
+    owners = {}
+    for path, unit in blocks + others:
+        for p in unit.parameters():
+            owners.setdefault(id(p), set()).add(path)
+    tied = {path for paths in owners.values() if len(paths) > 1 for path in paths}
+    return [(p, m) for p, m in blocks if p not in tied], [(p, m) for p, m in others if p not in tied]
+
+
+def shard_weights(module: torch.nn.Module, mesh, comm: Communicator, *, prefetch: bool = True,
+                  root_params: bool = False) -> FsdpShards:
+    """``fully_shard`` ``module`` over ``mesh`` (a 1-D DeviceMesh of the fsdp group ``comm``) unit by unit.
+
+    Units: every repeated block, every other child holding parameters (embeddings, output projection),
+    then ``module`` itself as the FSDP root (it sets up the shared communication state; each block
+    prefetches the next block's all-gather). ``root_params``: whether the root unit also shards the
+    parameters left outside the units (registered on ``module`` itself, or tied between two children);
+    False keeps them whole and leaves the root with nothing to gather, so an instance wrapper of
+    ``forward`` that skips the computation on some ranks (CFG parallelism's deferred pass) issues no
+    all-gather there.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    blocks, others = _units(module, block_class_names(module))
+    shards = FsdpShards(module=module, sharded=[], blocks=[m for _, m in blocks], comm=comm)
+    for path, unit in blocks + others:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+        shards.sharded.append(unit)
+    in_units = {id(p) for _, unit in blocks + others for p in unit.parameters()}
+    ignored = None if root_params else {p for p in module.parameters() if id(p) not in in_units}
+    fully_shard(module, mesh=mesh, reshard_after_forward=True, ignored_params=ignored or None)
+    shards.sharded.append(module)
+    for path, unit in blocks + others + [("", module)]:
+        group = unit._get_fsdp_state()._fsdp_param_group
+        if group is not None:
+            _named_errors(group, path, comm)
+    if prefetch:
+        for (_, a), (_, b) in zip(blocks, blocks[1:]):
+            a.set_modules_to_forward_prefetch([b])
+    # diffusers' compile_repeated_blocks matches class names: add the FSDP subclasses' names
+    repeated = getattr(module, "_repeated_blocks", None)
+    if repeated:
+        shards.priors["_repeated_blocks"] = module.__dict__.get("_repeated_blocks")
+        module._repeated_blocks = list(repeated) + [f"FSDP{n}" for n in repeated]
+    return shards
+
+
+# ------------------------------------------------------------------------------------------ tensor parallel
+class DistributedRMSNorm:
+    """Instance ``forward`` of an RMS norm whose input is this rank's slice of the normalised features."""
+
+    def __init__(self, norm, comm: Communicator, start: int, stop: int):
+        self.norm = norm
+        self.comm = comm
+        full = getattr(norm, "weight", None)
+        self.features = full.numel() if full is not None else int(norm.normalized_shape[-1])
+        self.weight = None if full is None else full.detach()[start:stop].clone()
+        eps = getattr(norm, "eps", None)
+        self.eps = torch.finfo(torch.float32).eps if eps is None else eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.features
+        sq = x.float().pow(2).sum(-1, keepdim=True)
+        if torch.compiler.is_compiling():
+            sq = funcol.all_reduce(sq, "sum", self.comm._funcol_group)
+        else:
+            self.comm._call("tp_norm_all_reduce", dist.all_reduce, sq, group=self.comm.group)
+        out = x.float() * torch.rsqrt(sq / features + self.eps)
+        if self.weight is not None:
+            out = out * self.weight.to(out.device, torch.float32)
+        return out.to(x.dtype)
+
+
+@dataclass
+class TensorParallelShards:
+    """What :func:`apply_tensor_parallel` did to one model (to undo it)."""
+
+    model: torch.nn.Module
+    comm: Communicator
+    layers: list = field(default_factory=list)  # (module, new pre-hook ids, new hook ids)
+    heads: list = field(default_factory=list)  # (module, {attr: original})
+    norms: list = field(default_factory=list)  # norm modules with an instance forward
+
+    def remove(self) -> None:
+        """All-gather the full weights back, drop the hooks, restore head counts (collective over the tp group)."""
+        from torch.distributed.tensor import DTensor
+
+        for module, pre, post in self.layers:
+            for name, p in list(module.named_parameters(recurse=False)):
+                if isinstance(p, DTensor):
+                    full = self.comm._call("tp_all_gather[unshard]", p.full_tensor)
+                    module.register_parameter(name, torch.nn.Parameter(full, requires_grad=p.requires_grad))
+            for key in pre:
+                module._forward_pre_hooks.pop(key, None)
+            for key in post:
+                module._forward_hooks.pop(key, None)
+        for module, originals in self.heads:
+            for attr, value in originals.items():
+                setattr(module, attr, value)
+        for norm in self.norms:
+            norm.__dict__.pop("forward", None)
+        self.layers, self.heads, self.norms = [], [], []
+
+
+def _style(style):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "rowwise":
+        return RowwiseParallel()
+    try:  # diffusers' packed markers (Flux's fused single-block projection)
+        from diffusers.hooks.tensor_parallel import _styles
+    except ImportError:  # pragma: no cover - older diffusers
+        return style
+    return _styles({"x": style})["x"] if not hasattr(style, "_apply") else style
+
+
+def apply_tensor_parallel(model, plan: TensorParallelPlan, mesh, comm: Communicator) -> TensorParallelShards:
+    """Split ``model``'s planned layers over the 1-D DeviceMesh ``mesh`` of the tp group ``comm``."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tp = comm.size
+    shards = TensorParallelShards(model=model, comm=comm)
+    for path, name, module in _match(model, list(plan.layers)):
+        pre, post = set(module._forward_pre_hooks), set(module._forward_hooks)
+        parallelize_module(module, mesh, _style(plan.layers[path]))
+        shards.layers.append((module, set(module._forward_pre_hooks) - pre, set(module._forward_hooks) - post))
+        if plan.layers[path] != "rowwise":
+            parent = _parent(model, name)
+            if isinstance(getattr(parent, "heads", None), int) and all(parent is not m for m, _ in shards.heads):
+                originals = {a: getattr(parent, a) for a in HEAD_ATTRS if isinstance(getattr(parent, a, None), int)}
+                for attr, value in originals.items():
+                    setattr(parent, attr, value // tp)
+                shards.heads.append((parent, originals))
+    for _, name, norm in _match(model, plan.norms):
+        if isinstance(norm, torch.nn.Identity):
+            continue
+        w = getattr(norm, "weight", None)
+        n = w.numel() if w is not None else int(norm.normalized_shape[-1])
+        part = n // tp
+        norm.forward = DistributedRMSNorm(norm, comm, comm.rank * part, (comm.rank + 1) * part)
+        shards.norms.append(norm)
+    return shards
+

@@ -1,0 +1,211 @@
+"""Per-rank bodies of the FSDP2 / tensor-parallel parity tests (spawned gloo ranks, see test_weight_sharding.py).
+
+Every case computes its single-process reference on each rank (a boosted copy, no collectives), then
+runs a fresh copy under ``ParallelManager`` with the case's degrees and returns the max abs difference
+and what the rank holds (local parameter bytes, DTensor placements, head counts), so the test can
+assert both the output and the sharding. Many cases share one spawn (start-up is paid once per world).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+TIMEOUT_S = 120
+
+
+def _diff(a, b) -> float:
+    return (a - b).abs().max().item() if a.shape == b.shape else float("inf")
+
+
+def _dtensor_bytes(module):
+    """(local bytes, global bytes) of ``module``'s sharded DTensor parameters (replicated ones left out)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = total = 0
+    for p in module.parameters():
+        if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements):
+            local += p.to_local().numel() * p.element_size()
+            total += p.numel() * p.element_size()
+    return local, total
+
+
+def _bytes(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _mesh(cache, parallel, init_method):
+    from lite_boost.parallel import initialize_usp
+
+    key = tuple(sorted(parallel.items()))
+    if key not in cache:
+        cache[key] = initialize_usp({"parallel": dict(parallel, timeout_s=TIMEOUT_S)}, init_method=init_method)
+    return cache[key]
+
+
+def _wan_inputs(i2v, grid, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    f, h, w = grid
+    x = torch.randn(1, 36 if i2v else 16, f, 2 * h, 2 * w, generator=g)
+    ctx = torch.randn(1, 512, 32, generator=g)
+    kw = {"encoder_hidden_states_image": torch.randn(1, 257, 4, generator=g)} if i2v else {}
+    return x, ctx, kw
+
+
+def _wan_spec(heads, i2v):
+    from lite_boost.demo import TinyWanSpec
+
+    if i2v:
+        return TinyWanSpec(heads=heads, in_channels=36, image_dim=4, added_kv_proj_dim=heads * 24, layers=3)
+    return TinyWanSpec(heads=heads, layers=3)
+
+
+def wan_transformer_fsdp(mesh, *, heads=3, i2v=True, grid=(3, 3, 5)):
+    """Wan I2V transformer, fsdp 2 x Ulysses 2: parity over two steps, local bytes, prefetch, compiled run,
+    and unparallelize (full weights back, plain tensors, the same output)."""
+    import lite_boost
+    from lite_boost.demo import tiny_wan_transformer
+    from lite_boost.parallel import ParallelManager, unparallelize
+    from lite_boost.parallel.shard import local_parameter_bytes
+
+    spec = _wan_spec(heads, i2v)
+    x, ctx, kw = _wan_inputs(i2v, grid)
+    ref_model = lite_boost.boost(tiny_wan_transformer(spec))
+    model = tiny_wan_transformer(spec)
+    full_bytes = _bytes(model)
+    ParallelManager(model, {"parallel": {"fsdp_degree": 2, "timeout_s": TIMEOUT_S}}, mesh=mesh)
+    blocks = list(model.blocks)
+    seen = []  # block i+1's all-gather already issued when block i starts computing (prefetch)
+
+    def probe(i):
+        def hook(module, args):
+            group = blocks[i + 1]._get_fsdp_state()._fsdp_param_group
+            seen.append(group._all_gather_result is not None)
+        return hook
+
+    handles = [blocks[i].register_forward_pre_hook(probe(i)) for i in range(len(blocks) - 1)]
+    out = {"full_bytes": full_bytes, "local_bytes": local_parameter_bytes(model)}
+    out["dtensor_local"], out["dtensor_total"] = _dtensor_bytes(model)
+    steps = (torch.tensor([900.0]), torch.tensor([600.0]))
+    with torch.no_grad():
+        refs = [ref_model(x, t, ctx, **kw).sample for t in steps]
+        out["diffs"] = [_diff(model(x, t, ctx, **kw).sample, r) for t, r in zip(steps, refs)]
+        for h in handles:
+            h.remove()
+        out["prefetch_seen"] = list(seen)
+        # compiled: diffusers' regional compilation still finds the (FSDP-wrapped) blocks
+        torch._dynamo.reset()
+        model.compile_repeated_blocks(fullgraph=True, backend="eager")
+        out["compiled_diff"] = _diff(model(x, steps[0], ctx, **kw).sample, refs[0])
+        torch._dynamo.reset()
+    unparallelize(model)
+    with torch.no_grad():
+        out["unsharded_diff"] = _diff(model(x, steps[0], ctx, **kw).sample, refs[0])
+    out["unsharded_bytes"] = local_parameter_bytes(model)
+    out["unsharded_plain"] = all(type(p) is torch.nn.Parameter for p in model.parameters())
+    out["class_restored"] = all(type(b).__name__ == "WanTransformerBlock" for b in model.blocks)
+    out["ref_abs"] = refs[0].abs().max().item()
+    return out
+
+
+def wan_transformer_tp(mesh, *, heads=4, i2v=True, grid=(3, 3, 5)):
+    """Wan I2V transformer under tp 2 (x Ulysses when the world allows): parity, local Linear bytes, local
+    head counts (restored by unparallelize)."""
+    import lite_boost
+    from lite_boost.demo import tiny_wan_transformer
+    from lite_boost.parallel import ParallelManager, unparallelize
+
+    spec = _wan_spec(heads, i2v)
+    x, ctx, kw = _wan_inputs(i2v, grid)
+    ref_model = lite_boost.boost(tiny_wan_transformer(spec))
+    model = tiny_wan_transformer(spec)
+    ParallelManager(model, {"parallel": {"tp_degree": 2, "timeout_s": TIMEOUT_S}}, mesh=mesh)
+    attn = model.blocks[0].attn2
+    out = {"heads": (model.blocks[0].attn1.heads, attn.heads), "q_local": tuple(attn.to_q.weight.to_local().shape),
+           "ffn_local": tuple(model.blocks[0].ffn.net[2].weight.to_local().shape)}
+    out["dtensor_local"], out["dtensor_total"] = _dtensor_bytes(model)
+    steps = (torch.tensor([900.0]), torch.tensor([600.0]))
+    with torch.no_grad():
+        refs = [ref_model(x, t, ctx, **kw).sample for t in steps]
+        out["diffs"] = [_diff(model(x, t, ctx, **kw).sample, r) for t, r in zip(steps, refs)]
+    unparallelize(model)
+    out["heads_after"] = (model.blocks[0].attn1.heads, attn.heads)
+    with torch.no_grad():
+        out["unsharded_diff"] = _diff(model(x, steps[0], ctx, **kw).sample, refs[0])
+    out["ref_abs"] = refs[0].abs().max().item()
+    return out
+
+
+def wan_pipeline(mesh, parallel, *, heads=3, two_stage=True):
+    """Wan2.2 two-stage T2V pipeline (two experts, text encoder) under ``parallel``: parity, local bytes."""
+    import lite_boost
+    from lite_boost.demo import TinyWanSpec, tiny_wan_pipeline
+    from lite_boost.parallel import ParallelManager
+
+    from conftest import pipeline_kwargs
+
+    spec = TinyWanSpec(heads=heads, head_dim=24)
+    call = dict(height=32, width=80, num_frames=5, steps=2)
+    ref_pipe = lite_boost.boost(tiny_wan_pipeline("t2v", spec=spec, two_stage=two_stage))
+    ref = ref_pipe(**pipeline_kwargs("t2v", **call)).frames
+    pipe = tiny_wan_pipeline("t2v", spec=spec, two_stage=two_stage)
+    mods = {"transformer": pipe.transformer, "transformer_2": pipe.transformer_2, "text_encoder": pipe.text_encoder}
+    full = {k: _bytes(m) for k, m in mods.items() if m is not None}
+    ParallelManager(pipe, {"parallel": dict(parallel, timeout_s=TIMEOUT_S)}, mesh=mesh)
+    out = {"full": full, "dtensor": {k: _dtensor_bytes(m) for k, m in mods.items() if m is not None}}
+    got = pipe(**pipeline_kwargs("t2v", **call)).frames
+    out["diff"] = _diff(got, ref)
+    out["ref_abs"] = ref.abs().max().item()
+    return out
+
+
+def qwen_pipeline(mesh, parallel, *, heads=4):
+    """Qwen-Image (joint attention, diffusers' _tp_plan) pipeline under ``parallel``: parity."""
+    import lite_boost
+    from lite_boost.demo import TinyQwenImageSpec, tiny_qwen_image_pipeline
+    from lite_boost.parallel import ParallelManager
+
+    from _qwen_cases import call_kwargs
+
+    spec = TinyQwenImageSpec(heads=heads)
+    ref_pipe = lite_boost.boost(tiny_qwen_image_pipeline("t2i", spec=spec))
+    ref = ref_pipe(**call_kwargs("t2i")).images
+    pipe = tiny_qwen_image_pipeline("t2i", spec=spec)
+    ParallelManager(pipe, {"parallel": dict(parallel, timeout_s=TIMEOUT_S)}, mesh=mesh)
+    out = {"dtensor": _dtensor_bytes(pipe.transformer), "heads": pipe.transformer.transformer_blocks[0].attn.heads}
+    got = pipe(**call_kwargs("t2i")).images
+    out["diff"] = _diff(got, ref)
+    out["ref_abs"] = ref.abs().max().item()
+    return out
+
+
+CASES = {
+    # world 2
+    "wan_i2v_fsdp2_ulysses2": ({"fsdp_degree": 2}, lambda mesh: wan_transformer_fsdp(mesh)),
+    "wan_i2v_tp2": ({"tp_degree": 2}, lambda mesh: wan_transformer_tp(mesh)),
+    "wan22_cfg2_fsdp2": ({"cfg_degree": 2, "fsdp_degree": 2},
+                         lambda mesh: wan_pipeline(mesh, {"cfg_degree": 2, "fsdp_degree": 2})),
+    "qwen_tp2": ({"tp_degree": 2}, lambda mesh: qwen_pipeline(mesh, {"tp_degree": 2})),
+    "qwen_cfg2_fsdp2": ({"cfg_degree": 2, "fsdp_degree": 2},
+                        lambda mesh: qwen_pipeline(mesh, {"cfg_degree": 2, "fsdp_degree": 2})),
+    # world 4
+    "wan_i2v_tp2_ulysses2": ({"tp_degree": 2}, lambda mesh: wan_transformer_tp(mesh)),
+    "wan_cfg2_ulysses2_fsdp2": ({"cfg_degree": 2, "fsdp_degree": 2},
+                                lambda mesh: wan_pipeline(mesh, {"cfg_degree": 2, "fsdp_degree": 2},
+                                                          two_stage=False)),
+}
+
+
+def run_cases(rank, world_size, init_method, names):
+    meshes = {}
+    out = {}
+    for name in names:
+        parallel, fn = CASES[name]
+        mesh = _mesh(meshes, parallel, init_method)
+        out[name] = fn(mesh)
+        out[name]["mesh"] = mesh.describe()
+    return out

@@ -1,0 +1,214 @@
+"""FSDP2 weight sharding and tensor parallelism vs the single-process run; bad degrees refused before any collective.
+
+Parity (max abs diff <= 1e-5, fp32) on spawned gloo ranks: a Wan I2V transformer under fsdp 2 x Ulysses 2
+(with the next block's all-gather seen in flight when a block starts, a compiled run, and unparallelize
+bringing the full weights back), Wan I2V under tp 2 and tp 2 x Ulysses 2, a Wan2.2 two-expert pipeline
+under cfg 2 x fsdp 2 (both experts and the text encoder sharded), cfg 2 x Ulysses 2 x fsdp 2, and
+Qwen-Image (joint attention, diffusers' ``_tp_plan``) under tp 2 and cfg 2 x fsdp 2. Every rank's local
+parameter bytes are checked against the sharded modules' sizes.
+"""
+
+import os
+
+import pytest
+import torch.distributed as dist
+
+import _dist_weight_sharding_cases as cases
+from _dist_utils import HERE, launch_fault_workers, run_ranks, stop_workers
+from lite_boost.config import BoostConfig, ConfigError, ParallelConfig, parallel_from_boost_manager
+from lite_boost.parallel.groups import _mesh_ranks
+
+TOL = 1e-5
+CASES_2 = ["wan_i2v_fsdp2_ulysses2", "wan_i2v_tp2", "wan22_cfg2_fsdp2", "qwen_tp2", "qwen_cfg2_fsdp2"]
+CASES_4 = ["wan_i2v_tp2_ulysses2", "wan_cfg2_ulysses2_fsdp2"]
+_RESULTS = {}
+
+
+def _results(world):
+    if world not in _RESULTS:
+        _RESULTS[world] = run_ranks(cases.run_cases, world, {2: CASES_2, 4: CASES_4}[world], timeout=600)
+    return _RESULTS[world]
+
+
+def _each(world, name):
+    return [res[name] for res in _results(world)]
+
+
+def _halves(local_total_per_rank):
+    """Each rank holds about half of the sharded bytes; together exactly all of them."""
+    locals_ = [lt[0] for lt in local_total_per_rank]
+    total = local_total_per_rank[0][1]
+    assert total > 0 and sum(locals_) == total, local_total_per_rank
+    for local in locals_:
+        assert 0.4 * total <= local <= 0.6 * total, local_total_per_rank
+
+
+def test_fsdp_wan_transformer_parity_prefetch_compile_unshard():
+    results = _each(2, "wan_i2v_fsdp2_ulysses2")
+    for r in results:
+        assert r["ref_abs"] > 0.1 and max(r["diffs"]) <= TOL, r
+        assert r["compiled_diff"] <= TOL and r["unsharded_diff"] <= TOL, r
+        # block i+1's gather was already issued when block i started (2 calls x 2 block pairs)
+        assert r["prefetch_seen"] == [True] * 4, r
+        assert r["unsharded_plain"] and r["class_restored"] and r["unsharded_bytes"] == r["full_bytes"], r
+        # everything but the model's own modulation table is sharded
+        assert r["dtensor_total"] > 0.99 * r["full_bytes"], r
+    _halves([(r["dtensor_local"], r["dtensor_total"]) for r in results])
+
+
+def test_fsdp_two_experts_text_encoder_cfg2():
+    results = _each(2, "wan22_cfg2_fsdp2")
+    for r in results:
+        assert r["ref_abs"] > 0.1 and r["diff"] <= TOL, r
+    for key in ("transformer", "transformer_2", "text_encoder"):
+        _halves([r["dtensor"][key] for r in results])
+        # the text encoder's tied input embedding stays whole; the rest is sharded
+        assert results[0]["dtensor"][key][1] >= (0.5 if key == "text_encoder" else 0.99) * results[0]["full"][key]
+
+
+def test_tensor_parallel_wan_i2v():
+    for r in _each(2, "wan_i2v_tp2"):
+        assert r["ref_abs"] > 0.1 and max(r["diffs"]) <= TOL and r["unsharded_diff"] <= TOL, r
+        assert r["heads"] == (2, 2) and r["heads_after"] == (4, 4), r
+        assert r["q_local"] == (48, 96) and r["ffn_local"] == (96, 32), r  # 4 x 24 channels: rows / columns halved
+    _halves([(r["dtensor_local"], r["dtensor_total"]) for r in _each(2, "wan_i2v_tp2")])
+
+
+@pytest.mark.parametrize("name", ["qwen_tp2", "qwen_cfg2_fsdp2"])
+def test_qwen_image_joint_attention(name):
+    results = _each(2, name)
+    for r in results:
+        assert r["ref_abs"] > 0.1 and r["diff"] <= TOL, r
+        assert r["heads"] == (2 if "tp2" in name else 4), r
+    _halves([r["dtensor"] for r in results])
+
+
+def test_world_4_tp2_ulysses2_and_cfg2_ulysses2_fsdp2():
+    for r in _each(4, "wan_i2v_tp2_ulysses2"):
+        assert r["ref_abs"] > 0.1 and max(r["diffs"]) <= TOL, r
+        assert "sequence 0/2" in r["mesh"] or "sequence 1/2" in r["mesh"], r["mesh"]
+        assert "tp" in r["mesh"] and r["heads"] == (2, 2)
+    results = _each(4, "wan_cfg2_ulysses2_fsdp2")
+    for r in results:
+        assert r["ref_abs"] > 0.1 and r["diff"] <= TOL, r
+    _halves([r["dtensor"]["transformer"] for r in results[:2]])  # one fsdp group = ranks 0, 1
+
+
+# ---------------------------------------------------------------- configuration and refusals (one process)
+def _env(world, monkeypatch):
+    for k, v in {"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+
+
+def test_degrees_resolve_and_refuse_with_valid_choices():
+    assert ParallelConfig(tp_degree=2).resolve_mesh(4) == (1, 2, 1)
+    assert ParallelConfig(tp_degree=2, cfg_degree=2).resolve_mesh(4) == (2, 1, 1)
+    assert ParallelConfig(fsdp_degree=4, cfg_degree=2).resolve_mesh(4) == (2, 2, 1)
+    with pytest.raises(ConfigError, match=r"tp_degree=3 does not divide .*valid tp_degree values: \[1, 2, 4\]"):
+        ParallelConfig(tp_degree=3).resolve_mesh(4)
+    with pytest.raises(ConfigError, match=r"fsdp_degree=3 does not divide world_size=4; valid fsdp_degree values: "
+                                          r"\[1, 2, 4\]"):
+        ParallelConfig(fsdp_degree=3).resolve_mesh(4)
+    with pytest.raises(ConfigError, match=r"valid \(ulysses_degree, ring_degree\) pairs .*tp_degree=2: \[\(1, 4\), "
+                                          r"\(2, 2\), \(4, 1\)\]"):
+        ParallelConfig(tp_degree=2, ulysses_degree=3).resolve_mesh(8)
+    with pytest.raises(ConfigError, match="tp_degree and fsdp_degree|cannot be combined"):
+        ParallelConfig(tp_degree=2, fsdp_degree=2)
+    with pytest.raises(ConfigError, match="fsdp_degree must be >= 1"):
+        ParallelConfig(fsdp_degree=0)
+    with pytest.raises(ConfigError, match="fsdp_text_encoder must be True or False"):
+        ParallelConfig(fsdp_text_encoder="yes")
+
+
+def test_yaml_and_boost_manager_schema():
+    cfg = BoostConfig.from_dict({"Parallel": {"dit": {"alg": "CP", "fsdp_degree": 2, "tp_degree": 1,
+                                                      "fsdp_text_encoder": False}}})
+    assert (cfg.parallel.fsdp_degree, cfg.parallel.tp_degree, cfg.parallel.fsdp_text_encoder) == (2, 1, False)
+    assert parallel_from_boost_manager({"dit": {"tp_degree": 2}}) == {"tp_degree": 2}
+    with pytest.raises(ConfigError, match="Parallel.dit.fsdp_degree must be >= 1"):
+        parallel_from_boost_manager({"dit": {"fsdp_degree": 0}})
+    assert BoostConfig.from_dict({"parallel": {"tp_degree": 2}}).parallel.tp_degree == 2
+
+
+def test_mesh_layout_with_tp_innermost_and_contiguous_fsdp_groups():
+    seq, cfg, uly, ring, tp, fsdp = _mesh_ranks(2, 2, 2, tp_degree=2, fsdp_degree=4)
+    assert tp == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert seq == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert cfg == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert fsdp == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # without tp the layout is unchanged
+    assert _mesh_ranks(2, 2)[:2] == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+
+
+@pytest.mark.parametrize("parallel, world, match", [
+    ({"tp_degree": 2}, 2, r"tp_degree=2 does not divide the 3 attention heads .*valid tp_degree for this model and "
+                          r"world size: \[1\]"),
+    ({"tp_degree": 2, "cfg_degree": 2}, 4, r"tp_degree=2 does not divide the 3 attention heads .*: \[1\]"),
+    ({"fsdp_degree": 3}, 2, r"fsdp_degree=3 does not divide world_size=2; valid fsdp_degree values: \[1, 2\]"),
+    ({"tp_degree": 3}, 2, r"tp_degree=3 does not divide world_size=2 / cfg_degree=1 = 2; valid tp_degree values: "
+                          r"\[1, 2\]"),
+])
+def test_bad_degrees_for_the_model_fail_before_any_collective(parallel, world, match, monkeypatch):
+    from lite_boost.demo import TinyWanSpec, tiny_wan_pipeline
+    from lite_boost.parallel import ParallelManager
+
+    _env(world, monkeypatch)
+    pipe = tiny_wan_pipeline("t2v", spec=TinyWanSpec(heads=3))
+    before = {n: p.clone() for n, p in pipe.transformer.named_parameters()}
+    with pytest.raises(ConfigError, match=match):
+        ParallelManager(pipe, {"parallel": parallel})
+    assert not dist.is_initialized()
+    assert getattr(pipe.transformer, "_lite_boost", None) is None  # nothing modified
+    assert all((p == before[n]).all() for n, p in pipe.transformer.named_parameters())
+
+
+def test_ffn_width_and_quant_refused(monkeypatch):
+    from lite_boost.demo import TinyWanSpec, tiny_wan_transformer
+    from lite_boost.parallel import ParallelManager
+
+    _env(2, monkeypatch)
+    model = tiny_wan_transformer(TinyWanSpec(heads=2, ffn_dim=63))
+    with pytest.raises(ConfigError, match=r"does not divide the 63 output features of blocks.0.ffn.net.0.proj.*"
+                                          r"valid tp_degree for this model and world size: \[1\]"):
+        ParallelManager(model, {"parallel": {"tp_degree": 2}})
+    model = tiny_wan_transformer(TinyWanSpec(heads=2))
+    for parallel in ({"tp_degree": 2}, {"fsdp_degree": 2}):
+        with pytest.raises(ConfigError, match="quant=None with (tp|fsdp)_degree"):
+            ParallelManager(model, {"parallel": parallel, "quant": "int8_weight_only"})
+    model.fuse_qkv_projections()
+    with pytest.raises(ConfigError, match="fused q/k/v projections"):
+        ParallelManager(model, {"parallel": {"tp_degree": 2}})
+    assert not dist.is_initialized()
+
+
+# ---------------------------------------------------------------- a rank dies in a weight all-gather
+def test_rank_dying_in_weight_all_gather_makes_the_others_raise_naming_it():
+    timeout_s = 4.0
+    procs = launch_fault_workers(os.path.join(HERE, "_dist_fault_worker.py"), "fsdp_die", 2, 1, timeout_s)
+    try:
+        code = procs[0].wait(timeout=90 + timeout_s)  # start-up, then the failure (a closed peer or the timeout)
+        log = procs[0].communicate(timeout=10)[0]
+        assert code != 0, log
+        assert "CollectiveError: collective 'fsdp_all_gather[patch_embedding]' on the fsdp group (global ranks " \
+               "[0, 1]" in log, log
+        assert procs[1].wait(timeout=30) == 3
+    finally:
+        stop_workers(procs)
+
+
+def test_cli_flags_reach_the_config_and_bad_degrees_stop_before_torchrun():
+    from lite_boost.cli import _boost_config, _validate_generate, build_parser
+
+    args = build_parser().parse_args(["generate", "--nproc", "4", "--fsdp-degree", "4", "--cfg-degree", "2"])
+    _validate_generate(args)
+    p = _boost_config(args).parallel
+    assert (p.fsdp_degree, p.tp_degree, p.cfg_degree) == (4, 1, 2)
+    args = build_parser().parse_args(["generate", "--nproc", "4", "--tp-degree", "2"])
+    _validate_generate(args)
+    assert _boost_config(args).parallel.tp_degree == 2
+    for flags, match in ((["--tp-degree", "3"], r"valid tp_degree values: \[1, 2, 4\]"),
+                         (["--fsdp-degree", "3"], r"valid fsdp_degree values: \[1, 2, 4\]"),
+                         (["--fsdp-degree", "0"], "--fsdp-degree must be a positive integer")):
+        with pytest.raises(SystemExit, match=match):
+            _validate_generate(build_parser().parse_args(["generate", "--nproc", "4", *flags]))

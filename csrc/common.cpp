@@ -41,6 +41,14 @@ std::string dtype_name(at::ScalarType t) {
   }
 }
 
+std::string check_precision(c10::string_view precision) {
+  std::string s(precision.data(), precision.size());
+  for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  TORCH_CHECK_VALUE(s == "auto" || s == "int8" || s == "fp8", "precision must be one of ['auto', 'int8', 'fp8'], got '",
+                    std::string(precision.data(), precision.size()), "'");
+  return s;
+}
+
 namespace {
 
 std::string upper(c10::string_view v) {

@@ -54,6 +54,10 @@ RainFusionProblem validate_rain_fusion(
 void check_select(const at::Tensor& select_idx, const at::Tensor& select_num_idx,
                   const std::vector<int64_t>& q_blocks, const std::vector<int64_t>& kv_blocks);
 
+// rain_fusion_attention's `precision`: "auto" (the input dtype's GEMMs), "int8" (int8 Q K^T after smoothing K,
+// 16-bit P V) or "fp8"; anything else is a ValueError naming the allowed values. Returns the lower-cased value.
+std::string check_precision(c10::string_view precision);
+
 // prompt_flash_attention: "BSH", "BSND" or "BNSD" (upper-cased), else ValueError.
 std::string check_pfa_layout(c10::string_view input_layout);
 

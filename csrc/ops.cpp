@@ -20,8 +20,10 @@ std::tuple<at::Tensor, at::Tensor> rain_fusion_attention_meta(
     at::OptionalIntArrayRef actual_seq_lengths, at::OptionalIntArrayRef actual_seq_lengths_kv,
     const std::optional<at::Tensor>& block_table, c10::string_view q_input_layout,
     c10::string_view kv_input_layout, std::optional<int64_t> num_key_value_heads, int64_t mask_type,
-    std::optional<double> scale_value, int64_t inner_precise, int64_t block_size, bool return_lse) {
+    std::optional<double> scale_value, int64_t inner_precise, int64_t block_size, bool return_lse,
+    c10::string_view precision) {
   check_rain_fusion_shapes(query, key, value, q_input_layout, kv_input_layout);
+  check_precision(precision);
   return empty_rain_fusion_outputs(query, value, return_lse);
 }
 
@@ -52,7 +54,8 @@ TORCH_LIBRARY(lite_boost, m) {
       "int[] block_shape, Tensor? atten_mask=None, int[]? actual_seq_lengths=None, "
       "int[]? actual_seq_lengths_kv=None, Tensor? block_table=None, str q_input_layout=\"TND\", "
       "str kv_input_layout=\"TND\", int? num_key_value_heads=None, int mask_type=0, float? scale_value=None, "
-      "int inner_precise=0, int block_size=0, *, bool return_lse=False) -> (Tensor attention_out, Tensor softmax_lse)");
+      "int inner_precise=0, int block_size=0, *, bool return_lse=False, str precision=\"auto\") "
+      "-> (Tensor attention_out, Tensor softmax_lse)");
   m.def(
       "prompt_flash_attention(Tensor query, Tensor key, Tensor value, *, int[]? actual_seq_lengths=None, "
       "int num_heads=1, float scale_value=1.0, int pre_tokens=2147473647, int next_tokens=0, "

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:N, npu, npu:N (default: the accelerator if "
                                                     "present; `lite-boost env` lists them)")
     gen.add_argument("--attention-backend", default=None, choices=["fa3", "fa2", "npu", "sdpa"])
+    gen.add_argument("--attention-precision", default=None, choices=["auto", "int8", "fp8"],
+                     help="arithmetic of the sequence self-attention: auto (the model dtype, default), int8 (int8 "
+                          "Q K^T after smoothing K, 16-bit P V) or fp8 where the device has it")
     gen.add_argument("--sparsity", type=float, default=None,
                      help="block-sparse self-attention sparsity in [0, 1); 0 = dense (default 0 for --model, "
                           "0.8 for the tiny model, whose main job shows block-sparse attention)")
@@ -602,8 +605,12 @@ def _sparsity(args) -> float:
 def _boost_config(args):
     from lite_boost.config import BoostConfig, CacheConfig, ParallelConfig, QuantConfig, SparseConfig
 
+    precision = getattr(args, "attention_precision", None)
     if args.config:
-        return BoostConfig.from_yaml(args.config)
+        config = BoostConfig.from_yaml(args.config)
+        if precision is not None:  # the flag overrides the file's attention.precision
+            config = config.replace(attention=config.attention.replace(precision=precision))
+        return config
     sparsity = _sparsity(args)
     sparse = SparseConfig(sparsity=sparsity) if sparsity > 0 else None
     parallel = ParallelConfig(sequence_degree=args.sequence_degree, cfg_degree=args.cfg_degree,
@@ -614,7 +621,8 @@ def _boost_config(args):
     cache = CacheConfig.parse(args.cache) if args.cache else None
     quant = QuantConfig(method=args.quant) if getattr(args, "quant", None) else None
     return BoostConfig(attention_backend=args.attention_backend, sparse=sparse, parallel=parallel, cache=cache,
-                       quant=quant, offload=bool(getattr(args, "offload", False)))
+                       quant=quant, offload=bool(getattr(args, "offload", False)),
+                       attention={"precision": precision or "auto"})
 
 
 def _load_pipeline(args, kind, device, dtype, family_name: str = "wan", offload: bool = False):
@@ -791,6 +799,9 @@ def applied_summary(pipe, config, work=None, device=None, dtype=None) -> list[st
                             list(reasons).index(n) < list(reasons).index(chosen or n))
         lines.append(f"attention backend: {chosen} (first usable of {' -> '.join(reasons)}"
                      f"{'; skipped ' + skipped if skipped else ''})")
+    if config.attention.precision != "auto":
+        lines.append(f"attention precision: {config.attention.precision} (self / joint attention, dense and "
+                     "block-sparse; cross-attention in the model dtype)")
     # RoPE cache
     caches = [st.rope_cache for st in states if st is not None and st.rope_patched]
     if caches:

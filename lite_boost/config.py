@@ -22,6 +22,8 @@ __all__ = [
     "SparseConfig",
     "ParallelConfig",
     "BoostConfig",
+    "AttentionConfig",
+    "ATTENTION_PRECISIONS",
     "CacheConfig",
     "QuantConfig",
     "OffloadConfig",
@@ -35,7 +37,10 @@ __all__ = [
 
 # Names accepted for the dense attention backend (kept here so the config can validate without
 # importing the ops package). ``lite_boost.ops.attention`` registers exactly these.
-ATTENTION_BACKEND_NAMES = ("fa3", "fa2", "npu", "sdpa", "sage", "sage_fp8", "fa3_fp8", "npu_int8")
+ATTENTION_BACKEND_NAMES = ("fa3", "fa2", "npu", "sdpa", "sage", "sage_fp8", "fa3_fp8", "npu_int8", "cpu_int8")
+# Arithmetic of the sequence self-attention (dense and block-sparse): "auto" = the input dtype's own GEMMs;
+# "int8" = int8 Q K^T after smoothing K by its mean over tokens, 16-bit P V; "fp8" = FP8 where the device has it.
+ATTENTION_PRECISIONS = ("auto", "int8", "fp8")
 # Block-sparse kernels of ``lite_boost.ops.rain_fusion_attention`` (same reason).
 SPARSE_BACKEND_NAMES = ("npu", "cpp", "flex", "gather", "reference")
 SPARSE_TYPES = (None, "rf_v2")
@@ -569,10 +574,40 @@ class OffloadConfig(_ConfigMixin):
 
 
 @dataclass(frozen=True)
+class AttentionConfig(_ConfigMixin):
+    """The attention kernels of a boosted model.
+
+    backend: dense attention backend, None = automatic (fa3 -> fa2 -> npu -> sdpa), or one of
+        ATTENTION_BACKEND_NAMES (the same setting as ``BoostConfig.attention_backend``).
+    precision: arithmetic of the sequence self-attention (self and joint roles, dense and
+        block-sparse alike; cross-attention to a short context stays in the input dtype):
+        "auto" (the input dtype, the default), "int8" (int8 Q K^T after smoothing K by its mean
+        over tokens, fp32 softmax, 16-bit P V) or "fp8" (where the device has FP8). A precision
+        the device cannot run is refused with a ConfigError when the model is boosted.
+    """
+
+    backend: str | None = None
+    precision: str = "auto"
+
+    def __post_init__(self):
+        _check_choice("attention.backend", self.backend, (None,) + ATTENTION_BACKEND_NAMES)
+        _check_choice("attention.precision", self.precision, ATTENTION_PRECISIONS)
+
+    @classmethod
+    def from_dict(cls, data):
+        if isinstance(data, str):
+            raise ConfigError(f"attention must be a mapping with keys ['backend', 'precision'] or an AttentionConfig, "
+                              f"got {data!r}")
+        return super().from_dict(data)
+
+
+@dataclass(frozen=True)
 class BoostConfig(_ConfigMixin):
     """Top-level config for ``lite_boost.boost`` / ``ParallelManager``.
 
     attention_backend: None = automatic (fa3 -> fa2 -> npu -> sdpa) or one of ATTENTION_BACKEND_NAMES.
+    attention: AttentionConfig or a mapping ``{"backend": ..., "precision": ...}``; its backend and
+        ``attention_backend`` are one setting (give either, or both equal; each then reads the same).
     rope_cache_size: how many RoPE table sets (grid, head_dim, device, slice) are kept (LRU).
     sparse: SparseConfig or None (dense self-attention).
     parallel: ParallelConfig.
@@ -589,9 +624,23 @@ class BoostConfig(_ConfigMixin):
     cache: CacheConfig | None = None
     quant: QuantConfig | None = None
     offload: OffloadConfig | None = None
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
 
     def __post_init__(self):
         _check_choice("attention_backend", self.attention_backend, (None,) + ATTENTION_BACKEND_NAMES)
+        if isinstance(self.attention, Mapping):
+            object.__setattr__(self, "attention", AttentionConfig.from_dict(self.attention))
+        if not isinstance(self.attention, AttentionConfig):
+            raise ConfigError(f"attention must be an AttentionConfig or a mapping with keys ['backend', 'precision'], "
+                              f"got {type(self.attention).__name__}")
+        a, b = self.attention_backend, self.attention.backend
+        if a is not None and b is not None and a != b:
+            raise ConfigError(f"attention_backend={a!r} and attention.backend={b!r} disagree; they are one setting: "
+                              "give one of them")
+        if a is None and b is not None:
+            object.__setattr__(self, "attention_backend", b)
+        elif b is None and a is not None:
+            object.__setattr__(self, "attention", dataclasses.replace(self.attention, backend=a))
         _check_int("rope_cache_size", self.rope_cache_size, lo=1)
         if isinstance(self.sparse, Mapping):
             object.__setattr__(self, "sparse", SparseConfig.from_dict(self.sparse))
@@ -618,6 +667,16 @@ class BoostConfig(_ConfigMixin):
         if self.offload is not None and not isinstance(self.offload, OffloadConfig):
             raise ConfigError(f"offload must be an OffloadConfig, a mapping, True / False, a device string or None, "
                               f"got {type(self.offload).__name__}")
+
+    def replace(self, **changes):
+        """``dataclasses.replace``, keeping ``attention_backend`` and ``attention.backend`` one setting: the one
+        changed wins."""
+        if "attention_backend" in changes and "attention" not in changes:
+            changes["attention"] = dataclasses.replace(self.attention, backend=changes["attention_backend"])
+        elif "attention" in changes and "attention_backend" not in changes:
+            att = changes["attention"]
+            changes["attention_backend"] = att.get("backend") if isinstance(att, Mapping) else getattr(att, "backend", None)
+        return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None):
@@ -648,13 +707,16 @@ class BoostConfig(_ConfigMixin):
             return cls(quant=config)
         if isinstance(config, OffloadConfig):
             return cls(offload=config)
+        if isinstance(config, AttentionConfig):
+            return cls(attention=config)
         if isinstance(config, Mapping):
             return cls.from_dict(config)
         if isinstance(config, os.PathLike) or (isinstance(config, str) and (
                 config.lower().endswith((".yaml", ".yml")) or os.path.isfile(config))):
             raise ConfigError(yaml_path_hint(config))
         raise ConfigError(
-            "config must be a BoostConfig, SparseConfig, ParallelConfig, CacheConfig, QuantConfig, OffloadConfig, a "
+            "config must be a BoostConfig, SparseConfig, ParallelConfig, CacheConfig, QuantConfig, OffloadConfig, "
+            "AttentionConfig, a "
             "mapping or None, "
             f"got {type(config).__name__}"
         )
@@ -768,4 +830,4 @@ def parallel_from_boost_manager(section: Any) -> dict[str, Any]:
 
 _NESTED = {("BoostConfig", "sparse"): SparseConfig, ("BoostConfig", "parallel"): ParallelConfig,
            ("BoostConfig", "cache"): CacheConfig, ("BoostConfig", "quant"): QuantConfig,
-           ("BoostConfig", "offload"): OffloadConfig}
+           ("BoostConfig", "offload"): OffloadConfig, ("BoostConfig", "attention"): AttentionConfig}

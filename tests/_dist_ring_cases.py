@@ -315,7 +315,41 @@ def sparse_cases(mesh, world):
     out["_empty_steps"] = {"err": (seq.gather(local, 1, S) - ref).abs().max().item(), "kernel_calls": calls[0],
                            "relays": stats.calls.get("ring_kv", 0)}
     mesh.ring.stats = None
+    out["_int8"] = sparse_int8_case(mesh, world)
     return out
+
+
+def sparse_int8_case(mesh, world):
+    """Ring x block-sparse x int8: each K/V chunk is smoothed and quantized on its own rank, and the partial
+    results merge through the kernel's shift-corrected lse; against one process (full precision and int8)."""
+    from lite_boost.ops.precision import cpu_int8_reason
+    from lite_boost.ops.sparse import sparse_attention
+    from lite_boost.parallel import SequenceShardInfo
+    from lite_boost.parallel.ring import RingAttention
+
+    why = cpu_int8_reason()
+    if why is not None:
+        return {"skip": why}
+    seq = mesh.sequence
+    grid, bs = (3, 6, 8), 8
+    S = math.prod(grid)
+    q, k, v = _qkv(300, 1, S, 2, 32)
+    k = k + 4.0 * torch.randn(32, generator=torch.Generator().manual_seed(301))  # DiT-like key offsets
+    kw = dict(head_num=2, input_layout="BSND", sparse_type="rf_v2", block_size=bs, latent_shape_q=grid,
+              sparsity=0.6, backend="cpp", return_stats=True)
+    ref, _ = sparse_attention(q, k, v, **kw)
+    ref8, _ = sparse_attention(q, k, v, precision="int8", **kw)
+    info = SequenceShardInfo(world)
+    info.set(S)
+    ring = RingAttention(_dense(), mesh.ring, info)
+    local, st = sparse_attention(*(seq.shard(x, 1) for x in (q, k, v)), ring=ring, precision="int8", **kw)
+    full = seq.gather(local, 1, S).double()
+
+    def rel(a, b):
+        return ((a - b.double()).abs().sum() / b.double().abs().sum()).item()
+
+    return {"rel_fp": rel(full, ref), "rel_int8": rel(full, ref8), "one_process_rel": rel(ref8.double(), ref),
+            "backend": st.backend, "path": st.path}
 
 
 # ------------------------------------------------------------------------------------------ Wan

@@ -66,7 +66,7 @@ def test_cpu_auto_choice_is_sdpa_and_logged_once(caplog):
         ((torch.zeros(1, 3, 2, 8), torch.zeros(1, 4, 2, 8), torch.zeros(1, 3, 2, 8)), {}, ValueError, "same sequence length"),
         ((torch.zeros(1, 3, 2, 8),) * 3, {"layout": "BHSD"}, ValueError, r"layout must be one of \['BSND', 'BNSD'\]"),
         ((torch.zeros(1, 3, 2, 8),) * 3, {"scale": -1.0}, ValueError, "scale must be a positive number"),
-        ((torch.zeros(1, 3, 2, 8),) * 3, {"backend": "triton"}, ValueError, r"backend must be one of \['fa3', 'fa2', 'npu', 'sdpa', 'sage', 'sage_fp8', 'fa3_fp8', 'npu_int8'\]"),
+        ((torch.zeros(1, 3, 2, 8),) * 3, {"backend": "triton"}, ValueError, r"backend must be one of \['fa3', 'fa2', 'npu', 'sdpa', 'sage', 'sage_fp8', 'fa3_fp8', 'npu_int8', 'cpu_int8'\]"),
         ((torch.zeros(1, 3, 2, 8, dtype=torch.int64),) * 3, {}, TypeError, "floating-point"),
     ],
 )
@@ -81,7 +81,7 @@ def test_forcing_an_unavailable_backend_says_why_and_lists_usable_ones():
         attention(q, k, v, backend="fa2")
     msg = str(info.value)
     assert "'fa2' (requested by the call) is unavailable" in msg
-    assert "wrong device: needs cuda, got cpu" in msg and "Usable backends for this call: ['sdpa']" in msg
+    assert "wrong device: needs cuda, got cpu" in msg and "Usable backends for this call: ['sdpa'" in msg
 
 
 def test_forcing_reports_not_installed_and_bad_dtype(monkeypatch):
@@ -162,7 +162,8 @@ def test_available_backends_and_report():
     assert avail["sdpa"] is None and "wrong device" in avail["fa2"]
     rows = dict((n, (s, d)) for n, s, d in A.backend_report())
     assert rows["sdpa"][0] == "installed"
-    assert set(rows) == {"fa3", "fa2", "npu", "sdpa", "sage", "sage_fp8", "fa3_fp8", "npu_int8"}
+    assert set(rows) == {"fa3", "fa2", "npu", "sdpa", "sage", "sage_fp8", "fa3_fp8", "npu_int8",
+                         "cpu_int8"}
 
 
 def test_import_is_light_and_never_touches_optional_packages():

@@ -117,15 +117,21 @@ def test_npu_int8_order_and_no_fp8_on_ascend(monkeypatch):
     assert name is None and "unsupported head dim 80: needs <= 512 and a multiple of 32" in error
 
 
-def test_cpu_int8_refuses_clearly_instead_of_running_fp32():
+def test_cpu_int8_without_its_kernel_refuses_clearly_instead_of_running_fp32(monkeypatch):
+    """On a CPU whose int8 kernel cannot run (no int8 dot products, no library) int8 is refused, never fp32."""
+    monkeypatch.setitem(A.BACKENDS, "cpu_int8", dataclasses.replace(A.BACKENDS["cpu_int8"],
+                                                                    probe=lambda: "no int8 dot products (test)"))
+    A.clear_caches()
     q, k, v = _qkv(dtype=torch.float32)
     with pytest.raises(AttentionBackendError) as info:
         attention(q, k, v, precision="int8")
     msg = str(info.value)
     assert "precision=int8" in msg and "sage: wrong device: needs cuda, got cpu" in msg
+    assert "cpu_int8: no int8 dot products (test)" in msg
     assert "precision='auto' (full precision) would run this call on ['sdpa']" in msg
     with pytest.raises(AttentionBackendError, match="fa3_fp8: wrong device"):
         select_backend(q, k, precision="fp8")
+    A.clear_caches()
 
 
 def test_refusals_name_the_reason_and_the_usable_backends(monkeypatch):
@@ -134,7 +140,7 @@ def test_refusals_name_the_reason_and_the_usable_backends(monkeypatch):
     q, k, v = _qkv()
     # a forced backend of another precision
     with pytest.raises(AttentionBackendError, match=r"'sdpa' .* computes in full precision, not int8.*Usable "
-                                                    r"backends for this call: \['sage', 'npu_int8'\]"):
+                                                    r"backends for this call: \['sage', 'npu_int8'(, 'cpu_int8')?\]"):
         attention(q, k, v, precision="int8", backend="sdpa")
     with pytest.raises(AttentionBackendError, match="'sage_fp8' .* computes in fp8, not int8"):
         attention(q, k, v, precision="int8", backend="sage_fp8")

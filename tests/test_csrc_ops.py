@@ -9,6 +9,7 @@ When the library cannot be built the kernel tests skip, except under ``LITE_BOOS
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import subprocess
@@ -654,3 +655,96 @@ def test_cpu_kernel_16bit_gemm_paths(lib, monkeypatch, half_gemm, gemm, dtype, t
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------- #
+# precision="int8": int8 Q K^T after smoothing K, fp32 softmax, 16-bit P V                       #
+# --------------------------------------------------------------------------------------------- #
+
+# Error bounds of the int8 mode against the fp64 reference (relative L1 of the output, largest output error,
+# largest log-sum-exp error). Keys carry a per-channel mean 4x their spread, as DiT keys do: without the
+# smoothing the per-block key scales would be set by that mean and every bound below is exceeded several times.
+INT8_REL_L1, INT8_MAX_ABS, INT8_LSE = 1.3e-2, 4e-2, 2.5e-2
+
+
+def _int8_problem(gen, layout, q_lens, kv_lens, n2, g, d, dv, dtype):
+    q, k, v = _problem(gen, layout, q_lens, kv_lens, n2, g, d, dv, torch.float32)
+    k = k + 4.0 * torch.randn(d, generator=gen)  # a per-channel offset shared by every token
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _int8_errors(out, lse, ref, ref_lse):
+    """(relative L1, largest abs error, largest lse error over rows that select something); also checks the
+    rows that select nothing: output 0, lse -inf, as the reference."""
+    ref, out = ref.double(), out.double()
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty)
+    assert bool((out[empty] == 0).all())
+    diff = (out - ref).abs()
+    return ((diff.sum() / ref.abs().sum()).item(), diff.max().item(),
+            (lse[~empty].double() - ref_lse[~empty].double()).abs().max().item())
+
+
+@pytest.mark.parametrize("pv", [None, "fp32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["TND", "BNSD"])
+def test_cpu_kernel_int8_matches_reference(lib, monkeypatch, pv, dtype, layout):
+    """precision="int8" against the fp64 reference on the same selection: ragged TND batches, GQA, paired and
+    unpaired query blocks, several KV tiles per row, every input dtype; P V on the bf16 brgemm (the default
+    where the CPU has AVX512-BF16) or in fp32 (LITE_BOOST_RF_INT8_PV=fp32, the path of CPUs without it)."""
+    _kernel_env(monkeypatch, INT8_PV=pv, KV_TILE="64")
+    gen = torch.Generator().manual_seed(21)
+    q_lens, kv_lens = ([150, 77], [260, 130]) if layout == "TND" else ([150, 150], [260, 260])
+    q, k, v = _int8_problem(gen, layout, q_lens, kv_lens, 2, 2, 64, 48, dtype)
+    idx, num = _paired_selection(gen, q_lens, kv_lens, 16, 16, 4)
+    lens = dict(actual_seq_lengths=q_lens, actual_seq_lengths_kv=kv_lens) if layout == "TND" else {}
+    out, lse = lib.rain_fusion_attention(q, k, v, idx, num, [16, 16], q_input_layout=layout, kv_input_layout=layout,
+                                         return_lse=True, precision="int8", **lens)
+    ref, ref_lse = _reference(q, k, v, idx, num, (16, 16), layout, q_lens, kv_lens)
+    assert out.dtype == dtype and out.shape == ref.shape
+    rel, mx, lse_err = _int8_errors(out, lse, ref, ref_lse)
+    assert rel < INT8_REL_L1 and mx < INT8_MAX_ABS and lse_err < INT8_LSE, (rel, mx, lse_err)
+
+
+@pytest.mark.parametrize("pv", [None, "fp32"])
+def test_cpu_kernel_int8_odd_shapes(lib, monkeypatch, pv):
+    """Odd KV blocks (the bf16 V layout pads each block to an even length), a head dim that is not a multiple of
+    4 (padded for the int8 dot products), Dv != D, a custom scale, rows that select nothing, one block, or all."""
+    _kernel_env(monkeypatch, INT8_PV=pv)
+    gen = torch.Generator().manual_seed(22)
+    q_lens, kv_lens = [70, 33], [121, 64]
+    q, k, v = _int8_problem(gen, "TND", q_lens, kv_lens, 1, 3, 30, 40, torch.float32)
+    idx, num = _selection(gen, q_lens, kv_lens, 8, 15, 3, "mixed")
+    out, lse = lib.rain_fusion_attention(q, k, v, idx, num, [8, 15], actual_seq_lengths=q_lens,
+                                         actual_seq_lengths_kv=kv_lens, scale_value=0.12, return_lse=True,
+                                         precision="int8")
+    ref, ref_lse = _reference(q, k, v, idx, num, (8, 15), "TND", q_lens, kv_lens, scale=0.12)
+    rel, mx, lse_err = _int8_errors(out, lse, ref, ref_lse)
+    assert rel < INT8_REL_L1 and mx < INT8_MAX_ABS and lse_err < INT8_LSE, (rel, mx, lse_err)
+
+
+def test_cpu_kernel_int8_precision_argument(lib):
+    """"auto" is the full-precision kernel (bit for bit the default); "int8" differs from it by quantization
+    only; anything else is refused naming the argument and its values; "fp8" has no CPU kernel."""
+    gen = torch.Generator().manual_seed(23)
+    q, k, v = _problem(gen, "BNSD", [40], [40], 1, 2, 32, 32, torch.float32)
+    idx, num = _selection(gen, [40], [40], 8, 8, 2, "all")
+    call = functools.partial(lib.rain_fusion_attention, q, k, v, idx, num, [8, 8], q_input_layout="BNSD",
+                             kv_input_layout="BNSD")
+    assert torch.equal(call(precision="auto")[0], call()[0])
+    assert not torch.equal(call(precision="int8")[0], call()[0])
+    with pytest.raises(ValueError, match=r"precision must be one of \['auto', 'int8', 'fp8'\], got 'int4'"):
+        call(precision="int4")
+    with pytest.raises(ValueError, match="precision='fp8' is not supported by the CPU kernel"):
+        call(precision="fp8")
+
+
+def test_opcheck_rain_fusion_attention_int8(lib):
+    gen = torch.Generator().manual_seed(24)
+    for layout, q_lens in (("BNSD", [24, 24]), ("TND", [24, 9])):
+        q, k, v = _problem(gen, layout, q_lens, q_lens, 1, 2, 16, 16, torch.float32)
+        idx, num = _selection(gen, q_lens, q_lens, 8, 8, 2, "mixed")
+        lens = dict(actual_seq_lengths=q_lens) if layout == "TND" else {}
+        torch.library.opcheck(lib.rain_fusion_attention.default, (q, k, v, idx, num, [8, 8]),
+                              dict(q_input_layout=layout, kv_input_layout=layout, return_lse=True, precision="int8",
+                                   **lens))

@@ -349,6 +349,20 @@ def test_sparse_ring_selects_the_one_process_blocks(dist):
         assert e["err"] < ATTN_TOL and e["kernel_calls"] == 1 and e["relays"] == world - 1, e
 
 
+@WORLDS
+def test_sparse_ring_int8_within_the_int8_bound(dist):
+    """Ring x block-sparse x precision="int8" (each rank smooths and quantizes its own K/V chunk; the chunks merge
+    through the kernel's shift-corrected lse) stays within the kernel's int8 bound (test_csrc_ops.INT8_REL_L1) of
+    one process at full precision and of one process at int8."""
+    world, results = dist
+    for res in results:
+        c = res["sparse_ring"]["_int8"]
+        if "skip" in c:
+            pytest.skip(c["skip"])
+        assert c["path"] == "sparse" and c["backend"] == "cpp", c
+        assert c["rel_fp"] < 1.3e-2 and c["rel_int8"] < 1.3e-2 and c["one_process_rel"] < 1.3e-2, (world, c)
+
+
 @pytest.mark.parametrize("name", list(cases.WAN_CASES))
 def test_wan_parity_with_one_process(name):
     world = next(w for w, names in cases.WAN_BY_WORLD.items() if name in names)

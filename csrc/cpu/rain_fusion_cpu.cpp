@@ -29,6 +29,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "../common.h"
 #include "blas.h"
 
@@ -135,13 +139,58 @@ bool cpu_has_flag(const std::string& flag) {
   return flags.find(" " + flag + " ") != std::string::npos;
 }
 
+// Why the int8 mode cannot run here ("" when it can): it needs oneDNN's u8 x s8 brgemm, which runs on int8 dot
+// product units (AVX512-VNNI, AVX-VNNI or AMX-INT8).
+std::string int8_reason() {
+  if (!at::hasMKLDNN()) return "PyTorch was built without oneDNN (mkldnn), whose brgemm runs the int8 GEMMs";
+  if (!(cpu_has_flag("avx512_vnni") || cpu_has_flag("avx_vnni") || cpu_has_flag("amx_int8"))) {
+    return "the CPU has no int8 dot-product instructions (avx512_vnni, avx_vnni or amx_int8)";
+  }
+  return "";
+}
+
 struct Scratch {
   std::vector<float> q, k, v, s, acc, m, l;
+  std::vector<uint8_t> q8;        // int8 mode: quantized query rows (u8 = s8 + 128), row stride dp
+  std::vector<float> qs, qm;      // int8 mode: per-row query scale, q . mean(K) of the head (for the lse)
+  std::vector<int32_t> si;        // int8 mode: S tile in int32
+  std::vector<at::BFloat16> p16;  // int8 mode: P tile in bf16
+};
+
+// dst[c] = float(si[c]) * ksc[c] - kcs[c] (dequantized S row of one segment); returns max(dst).
+inline float dequant_row(const int32_t* si, const float* ksc, const float* kcs, float* dst, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t c = 0;
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_set1_ps(mx);
+  for (; c + 16 <= n; c += 16) {
+    const __m512 x = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(si + c)), _mm512_loadu_ps(ksc + c),
+                                     _mm512_loadu_ps(kcs + c));
+    _mm512_storeu_ps(dst + c, x);
+    vmax = _mm512_max_ps(vmax, x);
+  }
+  mx = _mm512_reduce_max_ps(vmax);
+#endif
+  for (; c < n; ++c) {
+    dst[c] = static_cast<float>(si[c]) * ksc[c] - kcs[c];
+    mx = std::max(mx, dst[c]);
+  }
+  return mx;
+}
+
+// The int8 mode's per-(batch, KV head) operands, filled once before that head's work items run and read by
+// every query block. K is smoothed by its mean over the head's tokens (K - mean(K) shifts every score of a query
+// row by the same q . mean(K), so the softmax is unchanged; the lse gets q . mean(K) * scale back), then quantized
+// to int8 with one scale per KV block (max |K - mean| / 127) and stored as K^T in oneDNN's VNNI layout for u8 x s8
+// (dp / 4, kt_ld, 4): the query side is u8 = s8 + 128, compensated per key by 128 * sum_d k8 (kcs, pre-multiplied
+// by the block scale). V is stored in bf16 VNNI layout (pairs of tokens), each KV block padded to an even length.
+struct Int8Head {
+  at::Tensor kq, ksc, kcs, kmean, vq;
 };
 
 template <typename T>
 void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-             const at::Tensor& select_idx, const at::Tensor& select_num, at::Tensor& out, float* lse) {
+             const at::Tensor& select_idx, const at::Tensor& select_num, at::Tensor& out, float* lse, bool lowp) {
   const int64_t d = query.size(-1), dv = value.size(-1);
   const int64_t bq = p.block_q, bk = p.block_kv, n1 = p.n1, g = p.n1 / p.n2;
   const int64_t m_sel = select_idx.size(2);
@@ -220,6 +269,19 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
     const char* e = std::getenv("LITE_BOOST_RF_GEMM");
     brg = at::hasMKLDNN() && !(e && std::string(e) == "blas");
   }
+  // int8 mode (precision="int8"): S = Q K^T on oneDNN's u8 x s8 brgemm (AVX512-VNNI / AMX-INT8), the softmax in
+  // fp32, P V on the bf16 brgemm (AVX512-BF16 / AMX-BF16) or, on CPUs without bf16 dot products, as the fp32 path
+  // does (LITE_BOOST_RF_INT8_PV=bf16 / fp32 forces either). Per-row query scales (u8 rows made once per work item;
+  // each query row belongs to one item), per-block key scales made once per (batch, KV head).
+  bool pv16 = false;
+  const int64_t dp = (d + 3) / 4 * 4, bkp = (bk + 1) / 2 * 2;
+  if (lowp) {
+    half_mode = false;
+    brg = true;
+    pv16 = cpu_has_flag("avx512_bf16") || cpu_has_flag("amx_bf16");
+    if (const char* e = std::getenv("LITE_BOOST_RF_INT8_PV")) pv16 = std::string(e) == "bf16";
+  }
+  Int8Head ih;
   // brg: K^T of one (batch, KV head) at a time, D x kv_len (row stride kt_ld), refilled before the work items of
   // that head run (items are h-major, so they are one contiguous range): the extra memory is one head's K.
   at::Tensor kt_buf;
@@ -227,15 +289,54 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
   int64_t kt_ld = 0;
   if (brg) {
     kt_ld = std::max<int64_t>(*std::max_element(p.kv_lens.begin(), p.kv_lens.end()), 1);
+  }
+  if (brg && !lowp) {
     kt_buf = at::empty({d, kt_ld}, key.options().dtype(at::kFloat));
     kt_cur = kt_buf.const_data_ptr<float>();
+  }
+  if (lowp) {
+    ih.kq = at::zeros({dp / 4, kt_ld, 4}, key.options().dtype(at::kChar));
+    ih.ksc = at::empty({kt_ld}, key.options().dtype(at::kFloat));
+    ih.kcs = at::empty({kt_ld}, key.options().dtype(at::kFloat));
   }
   auto fill_kt = [&](int64_t b, int64_t kvh) {
     const int64_t n = p.kv_lens[b];
     const at::Tensor rows = at::from_blob(const_cast<T*>(K.at(b, kvh, 0)), {n, d}, {K.tok_stride, 1},
                                           key.options());  // (n, D) of K, either layout
-    kt_buf.narrow(1, 0, n).copy_(rows.t());
+    if (!lowp) {
+      kt_buf.narrow(1, 0, n).copy_(rows.t());
+      return;
+    }
+    if (n == 0) {
+      ih.kmean = at::Tensor();
+      return;
+    }
+    const int64_t nb = (n + bk - 1) / bk;
+    at::Tensor kf = at::zeros({nb * bk, dp}, key.options().dtype(at::kFloat));
+    kf.narrow(0, 0, n).narrow(1, 0, d).copy_(rows);
+    ih.kmean = kf.narrow(0, 0, n).mean(0);  // (dp), zero in the padding columns
+    kf.narrow(0, 0, n).sub_(ih.kmean);
+    at::Tensor amax = kf.view({nb, bk * dp}).abs().amax(1);
+    at::Tensor bscale = at::where(amax > 0, amax / 127.f, at::ones_like(amax));  // (nb)
+    at::Tensor k8 = kf.view({nb, bk, dp}).div_(bscale.view({nb, 1, 1})).round_().clamp_(-127, 127)
+                        .to(at::kChar).view({nb * bk, dp}).narrow(0, 0, n);
+    at::Tensor ksc = bscale.repeat_interleave(bk).narrow(0, 0, n);
+    ih.ksc.narrow(0, 0, n).copy_(ksc);
+    ih.kcs.narrow(0, 0, n).copy_(k8.sum(1, false, at::kInt).to(at::kFloat).mul_(128.f).mul_(ksc));
+    ih.kq.narrow(1, 0, n).copy_(k8.view({n, dp / 4, 4}).permute({1, 0, 2}));
+    if (pv16) {
+      const at::Tensor vrows = at::from_blob(const_cast<T*>(V.at(b, kvh, 0)), {n, dv}, {V.tok_stride, 1},
+                                             value.options());
+      at::Tensor vp = at::zeros({nb, bkp, dv}, value.options().dtype(at::kBFloat16));
+      at::Tensor vpad = at::zeros({nb * bk, dv}, value.options().dtype(at::kBFloat16));
+      vpad.narrow(0, 0, n).copy_(vrows);
+      vp.narrow(1, 0, bk).copy_(vpad.view({nb, bk, dv}));
+      ih.vq = vp.view({nb * bkp / 2, 2, dv}).permute({0, 2, 1}).contiguous();  // (tokens / 2, dv, 2)
+    }
   };
+  const int8_t* kq_ptr = lowp ? ih.kq.const_data_ptr<int8_t>() : nullptr;
+  const float* ksc_ptr = lowp ? ih.ksc.const_data_ptr<float>() : nullptr;
+  const float* kcs_ptr = lowp ? ih.kcs.const_data_ptr<float>() : nullptr;
   std::atomic<int64_t> next{0};
   // the work items [lo, hi), handed out dynamically to ATen's threads
   auto run_items = [&](int64_t lo, int64_t hi) {
@@ -251,7 +352,15 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
       std::vector<T> p16, k_buf16;
       std::vector<int64_t> seg_tok(kv_tile / bk + 1), seg_len(kv_tile / bk + 1);
       std::vector<int64_t> both(m_sel), only0(m_sel), only1(m_sel);  // a pair's shared / own selections
-      if (half_mode) {
+      if (lowp) {
+        w.q8.resize(mq * dp);
+        w.qs.resize(mq);
+        w.qm.resize(mq);
+        w.si.resize(mq * kv_tile);
+        if (pv16) w.p16.resize(mq * kv_tile);
+        if (!pv16 && !kF32) w.v.resize(kv_tile * dv);
+        w.q.resize(d);
+      } else if (half_mode) {
         p16.resize(mq * kv_tile);
         k_buf16.resize(kv_tile * d);
       } else {
@@ -293,7 +402,16 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
           const float* k_tile = nullptr;
           const T* k16 = nullptr;
           int64_t ldk = d;
-          if (brg) {
+          if (lowp) {
+            // int8 K^T and (pv16) bf16 V of this head are read in place; fp32 P V on 16-bit inputs: V widened
+            if constexpr (!kF32) {
+              if (!pv16) {
+                for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
+                  widen(V.at(b, kvh, seg_tok[sg]), V.tok_stride, w.v.data() + off * dv, dv, seg_len[sg], dv);
+                }
+              }
+            }
+          } else if (brg) {
             // every segment's K^T columns are read in place below; widened inputs: V into the tile buffer
             if constexpr (!kF32) {
               for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
@@ -325,8 +443,12 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
           float* s = w.s.data();
           // S (rows x kn, row stride kn) = scale * Q K^T
           // brg: S (rows x kn) = Q K^T unscaled, one brgemm per segment
-          const float sc = brg ? scale : 1.f;
-          if (brg) {
+          if (lowp) {
+            for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
+              at::native::cpublas::brgemm(rows, seg_len[sg], dp, dp, kt_ld, kn, false, w.q8.data() + st * dp,
+                                          kq_ptr + seg_tok[sg] * 4, w.si.data() + off, true);
+            }
+          } else if (brg) {
             for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
               at::native::cpublas::brgemm(rows, seg_len[sg], d, ldq, kt_ld, kn, false, q_tile, kt_cur + seg_tok[sg],
                                           s + off, false);
@@ -339,9 +461,23 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
           // online softmax
           for (int64_t r = 0; r < rows; ++r) {
             float* sr = s + r * kn;
-            // the row max of sc * s (sc = 1 where the GEMM applied the scale; validation admits scale > 0 only)
-            const float mx =
-                sc * at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, sr, kn);
+            float mx;
+            float sc = scale;
+            if (lowp) {
+              // dequantize the int32 row (K scale and compensation per key); the query row's scale joins the
+              // softmax scale (a zero query row has scale 0: all scores 0, as they are)
+              float m0 = kNegInf;
+              for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
+                m0 = std::max(m0, dequant_row(w.si.data() + r * kn + off, ksc_ptr + seg_tok[sg], kcs_ptr + seg_tok[sg],
+                                              sr + off, seg_len[sg]));
+              }
+              sc = scale * w.qs[st + r];
+              mx = sc * m0;
+            } else {
+              sc = brg ? scale : 1.f;
+              // the row max of sc * s (sc = 1 where the GEMM applied the scale; validation admits scale > 0 only)
+              mx = sc * at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, sr, kn);
+            }
             const float m_old = mrow[r];
             const float m_new = std::max(m_old, mx);
             // exp(sc * s - m_new) in place and its sum
@@ -358,6 +494,7 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
               sr[c] = std::exp(sr[c] * sc - m_new);
               sum += sr[c];
             }
+            if (lowp && pv16) from_float(sr, w.p16.data() + r * kn, kn);  // P row in bf16 while it is in L1
             const float corr = first ? 0.f : std::exp(m_old - m_new);
             lrow[r] = lrow[r] * corr + sum;
             mrow[r] = m_new;
@@ -367,7 +504,24 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
             }
           }
           // acc (rows x dv) (+)= P V
-          if (in_place) {
+          if (lowp && pv16) {
+            // P in bf16 against the head's bf16 VNNI V: one brgemm per run of consecutive blocks where blocks
+            // have an even token count (the padded layout is then contiguous), else one per block
+            const at::BFloat16* vq = ih.vq.const_data_ptr<at::BFloat16>();
+            for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
+              if (bkp == bk) {
+                at::native::cpublas::brgemm(rows, dv, seg_len[sg], kn, dv, dv, !(first && sg == 0), w.p16.data() + off,
+                                            vq + seg_tok[sg] * dv, acc, true);
+              } else {
+                for (int64_t t = 0; t < seg_len[sg]; t += bk) {
+                  const int64_t blk = (seg_tok[sg] + t) / bk;
+                  at::native::cpublas::brgemm(rows, dv, std::min(bk, seg_len[sg] - t), kn, dv, dv,
+                                              !(first && sg == 0 && t == 0), w.p16.data() + off + t,
+                                              vq + blk * bkp * dv, acc, true);
+                }
+              }
+            }
+          } else if (in_place) {
             if constexpr (!kF32) from_float(s, p16.data(), rows * kn);
             for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
               const float beta = first && sg == 0 ? 0.f : 1.f;
@@ -412,7 +566,27 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
         // query rows (widened once per item where the GEMMs run in fp32 on 16-bit inputs)
         const float* q_all = nullptr;
         int64_t ldq = 0;
-        if constexpr (kF32) {
+        if (lowp) {
+          // u8 query rows (s8 + 128, one scale per row), and q . mean(K) for the lse
+          const float* km = ih.kmean.defined() ? ih.kmean.const_data_ptr<float>() : nullptr;
+          for (int64_t r = 0; r < rows_all; ++r) {
+            float* qf = w.q.data();
+            widen(Q.at(b, h, tok0 + r), Q.tok_stride, qf, d, 1, d);
+            float amax = 0.f, dot = 0.f;
+            for (int64_t c = 0; c < d; ++c) {
+              amax = std::max(amax, std::abs(qf[c]));
+              if (km) dot += qf[c] * km[c];
+            }
+            const float inv = amax > 0.f ? 127.f / amax : 0.f;
+            uint8_t* q8 = w.q8.data() + r * dp;
+            for (int64_t c = 0; c < d; ++c) {
+              q8[c] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(qf[c] * inv)) + 128);
+            }
+            for (int64_t c = d; c < dp; ++c) q8[c] = 128;
+            w.qs[r] = amax / 127.f;
+            w.qm[r] = dot;
+          }
+        } else if constexpr (kF32) {
           q_all = Q.at(b, h, tok0);
           ldq = Q.tok_stride;
         } else if (!half_mode) {
@@ -478,9 +652,10 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
               from_float(tmp, orow + c0, cn);
             }
           }
-          if (l_ptr) l_ptr[r * lse_tok] = w.m[r] + std::log(w.l[r]);
+          if (l_ptr) l_ptr[r * lse_tok] = w.m[r] + std::log(w.l[r]) + (lowp ? scale * w.qm[r] : 0.f);
         }
       }
+      if (lowp) at::native::cpublas::brgemm_release(true);
     }
   });
   };
@@ -503,7 +678,15 @@ std::tuple<at::Tensor, at::Tensor> rain_fusion_attention_cpu(
     at::OptionalIntArrayRef actual_seq_lengths, at::OptionalIntArrayRef actual_seq_lengths_kv,
     const std::optional<at::Tensor>& block_table, c10::string_view q_input_layout,
     c10::string_view kv_input_layout, std::optional<int64_t> num_key_value_heads, int64_t mask_type,
-    std::optional<double> scale_value, int64_t inner_precise, int64_t block_size, bool return_lse) {
+    std::optional<double> scale_value, int64_t inner_precise, int64_t block_size, bool return_lse,
+    c10::string_view precision) {
+  const std::string prec = check_precision(precision);
+  TORCH_CHECK_VALUE(prec != "fp8", "precision='fp8' is not supported by the CPU kernel (no fp8 dot products on "
+                    "this CPU path); use 'auto' or 'int8'");
+  const bool lowp = prec == "int8";
+  if (lowp) {
+    TORCH_CHECK_VALUE(int8_reason().empty(), "precision='int8' cannot run on this CPU: ", int8_reason());
+  }
   const RainFusionProblem p = validate_rain_fusion(
       query, key, value, select_idx, select_num_idx, block_shape, atten_mask, actual_seq_lengths,
       actual_seq_lengths_kv, block_table, q_input_layout, kv_input_layout, num_key_value_heads, mask_type,
@@ -522,9 +705,9 @@ std::tuple<at::Tensor, at::Tensor> rain_fusion_attention_cpu(
   }
   float* lse_ptr = return_lse ? lse.data_ptr<float>() : nullptr;
   switch (q.scalar_type()) {  // validate_rain_fusion admitted exactly these three
-    case at::kFloat: run_cpu<float>(p, q, k, v, idx, num, out, lse_ptr); break;
-    case at::kBFloat16: run_cpu<at::BFloat16>(p, q, k, v, idx, num, out, lse_ptr); break;
-    case at::kHalf: run_cpu<at::Half>(p, q, k, v, idx, num, out, lse_ptr); break;
+    case at::kFloat: run_cpu<float>(p, q, k, v, idx, num, out, lse_ptr, lowp); break;
+    case at::kBFloat16: run_cpu<at::BFloat16>(p, q, k, v, idx, num, out, lse_ptr, lowp); break;
+    case at::kHalf: run_cpu<at::Half>(p, q, k, v, idx, num, out, lse_ptr, lowp); break;
     default: TORCH_CHECK(false, "unreachable dtype ", q.scalar_type());
   }
   return {out, lse};

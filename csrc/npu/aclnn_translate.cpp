@@ -216,8 +216,11 @@ std::tuple<at::Tensor, at::Tensor> rain_fusion_attention(
     at::OptionalIntArrayRef actual_seq_lengths, at::OptionalIntArrayRef actual_seq_lengths_kv,
     const std::optional<at::Tensor>& block_table, c10::string_view q_input_layout, c10::string_view kv_input_layout,
     std::optional<int64_t> num_key_value_heads, int64_t mask_type, std::optional<double> scale_value,
-    int64_t inner_precise, int64_t block_size, bool return_lse) {
+    int64_t inner_precise, int64_t block_size, bool return_lse, c10::string_view precision) {
   static constexpr const char* kEntry = "aclnnRainFusionAttention";
+  TORCH_CHECK_VALUE(lite_boost::check_precision(precision) == "auto", "precision='",
+                    std::string(precision.data(), precision.size()),
+                    "' is not supported by aclnnRainFusionAttention (it runs in the input dtype); use 'auto'");
   lite_boost::RainFusionProblem p;
   at::Tensor select_num_host;
   std::vector<int64_t> q_lens, kv_lens;

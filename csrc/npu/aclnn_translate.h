@@ -43,7 +43,7 @@ std::tuple<at::Tensor, at::Tensor> rain_fusion_attention(
     at::OptionalIntArrayRef actual_seq_lengths, at::OptionalIntArrayRef actual_seq_lengths_kv,
     const std::optional<at::Tensor>& block_table, c10::string_view q_input_layout, c10::string_view kv_input_layout,
     std::optional<int64_t> num_key_value_heads, int64_t mask_type, std::optional<double> scale_value,
-    int64_t inner_precise, int64_t block_size, bool return_lse);
+    int64_t inner_precise, int64_t block_size, bool return_lse, c10::string_view precision);
 
 at::Tensor prompt_flash_attention(const AclnnApi& api, DeviceGlue& glue, bool check, const at::Tensor& query,
                                   const at::Tensor& key, const at::Tensor& value,

@@ -41,12 +41,12 @@ std::tuple<at::Tensor, at::Tensor> rain_fusion_attention_npu(
     at::OptionalIntArrayRef actual_seq_lengths, at::OptionalIntArrayRef actual_seq_lengths_kv,
     const std::optional<at::Tensor>& block_table, c10::string_view q_input_layout, c10::string_view kv_input_layout,
     std::optional<int64_t> num_key_value_heads, int64_t mask_type, std::optional<double> scale_value,
-    int64_t inner_precise, int64_t block_size, bool return_lse) {
+    int64_t inner_precise, int64_t block_size, bool return_lse, c10::string_view precision) {
   TorchNpuGlue glue;
   return rain_fusion_attention(aclnn_api_from_cann(), glue, /*check=*/true, query, key, value, select_idx,
                                select_num_idx, block_shape, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
                                block_table, q_input_layout, kv_input_layout, num_key_value_heads, mask_type,
-                               scale_value, inner_precise, block_size, return_lse);
+                               scale_value, inner_precise, block_size, return_lse, precision);
 }
 
 at::Tensor prompt_flash_attention_npu(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,

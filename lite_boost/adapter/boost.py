@@ -32,11 +32,14 @@ from typing import Callable
 import torch
 
 from ..config import BoostConfig
+from ..errors import ConfigError
+from ..ops.attention import precision_reason
+from ..ops.precision import PRECISIONS
 from ..offload import offload_module, offload_pipeline, reapply_user_offload, remove_offload, resolve_onload_device
 from ..ops.rope import RopeCache
 from ..quant import check_uninstall_quant, install_quant, uninstall_quant
 from .cache import install_cache, uninstall_cache
-from .processor import LiteBoostProcessor
+from .processor import DenseAttention, LiteBoostProcessor
 from .sparse import attach_pipeline, install_sparse, uninstall_sparse
 
 __all__ = ["BoostState", "boost_model", "unboost_model", "boost_pipeline", "unboost_pipeline", "match_sites",
@@ -136,6 +139,22 @@ def check_model(family, model) -> list:
     return sites
 
 
+def check_attention_precision(config: BoostConfig, model) -> None:
+    """ConfigError naming ``attention.precision`` and the values this model's device can run, unless it runs
+    ``config.attention.precision``. Before anything is modified."""
+    precision = config.attention.precision
+    if precision == "auto":
+        return
+    param = next(iter(model.parameters()), None)
+    device = param.device.type if param is not None else "cpu"
+    dtype = param.dtype if param is not None else torch.float32
+    why = precision_reason(device, precision, dtype)
+    if why is not None:
+        usable = [p for p in PRECISIONS if precision_reason(device, p, dtype) is None]
+        raise ConfigError(f"attention.precision={precision!r} cannot run on {device}: {why}. attention.precision "
+                          f"must be one of {usable} here (allowed values: {list(PRECISIONS)})")
+
+
 def boost_model(family, model, config: BoostConfig | None = None, onload_device=None):
     """Boost one transformer of ``family`` in place and return it (idempotent for an equal config).
 
@@ -144,6 +163,7 @@ def boost_model(family, model, config: BoostConfig | None = None, onload_device=
     config = BoostConfig.coerce(config)
     sites = check_model(family, model)
     family.check_config(config, model)
+    check_attention_precision(config, model)
     state = getattr(model, STATE_ATTR, None)
     if state is not None:
         if state.config == config and state.family is family:
@@ -158,6 +178,8 @@ def boost_model(family, model, config: BoostConfig | None = None, onload_device=
         reapply_user_offload(model)  # the user's own group offloading follows the new weight tensors
     for name, module, site, layer in sites:
         proc = site.processor(layer, site.role, config.attention_backend)
+        if proc.is_self_attention and isinstance(proc.attn_fn, DenseAttention):
+            proc.attn_fn.precision = config.attention.precision
         proc.text_first = family.joint != "image_first"
         state.original_processors[name] = module.processor
         state.processors[name] = proc

@@ -36,17 +36,21 @@ class DenseAttention:
 
     Without ``joint`` it attends q to k, v; with it, the two streams are concatenated in their order
     (:func:`lite_boost.ops.joint.joint_attention`) with the joint stream's key-padding mask.
+    ``precision`` ("auto", "int8", "fp8"; see :mod:`lite_boost.ops.precision`) applies to the calls
+    without a key-padding mask (a padded joint text runs in the input dtype).
     """
 
-    def __init__(self, backend: str | None = None):
+    def __init__(self, backend: str | None = None, precision: str = "auto"):
         self.backend = backend
+        self.precision = precision
 
     def _attend(self, q, k, v, key_mask=None):
-        return attention(q, k, v, layout="BSND", backend=self.backend, key_mask=key_mask)
+        precision = self.precision if key_mask is None else "auto"
+        return attention(q, k, v, layout="BSND", backend=self.backend, key_mask=key_mask, precision=precision)
 
     def lse_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """The same attention with the log-sum-exp (B, H, S) of each row: what Ring attention merges."""
-        return attention(q, k, v, layout="BSND", backend=self.backend, return_lse=True)
+        return attention(q, k, v, layout="BSND", backend=self.backend, return_lse=True, precision=self.precision)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, joint: JointTokens | None = None):
         if joint is None:
@@ -54,7 +58,8 @@ class DenseAttention:
         return joint_attention(self._attend, q, k, v, joint)
 
     def __repr__(self) -> str:
-        return f"DenseAttention(backend={self.backend!r})"
+        extra = f", precision={self.precision!r}" if self.precision != "auto" else ""
+        return f"DenseAttention(backend={self.backend!r}{extra})"
 
 
 class LiteBoostProcessor:

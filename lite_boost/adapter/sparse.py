@@ -209,7 +209,7 @@ class ScheduledSparseAttention:
             cdf_threshold=cfg.cdf_threshold, sparsity=cfg.sparsity, window=cfg.window,
             min_seq_len=cfg.min_seq_len, selection=selection, return_stats=True, backend=cfg.backend,
             budget=cfg.budget, selector=cfg.selector, selector_reps=cfg.selector_reps,
-            **({} if ring is None else {"ring": ring}),
+            precision=getattr(self.dense_fn, "precision", "auto"), **({} if ring is None else {"ring": ring}),
         )
         stats: SparseStats
         if stats.selection is not None and selection is None:

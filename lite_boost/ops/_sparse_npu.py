@@ -12,8 +12,8 @@ The op's schema (csrc/ops.cpp; arguments in aclnn order, outputs aside)::
         Tensor select_num_idx, int[] block_shape, Tensor? atten_mask=None, int[]? actual_seq_lengths=None,
         int[]? actual_seq_lengths_kv=None, Tensor? block_table=None, str q_input_layout="TND",
         str kv_input_layout="TND", int? num_key_value_heads=None, int mask_type=0,
-        float? scale_value=None, int inner_precise=0, int block_size=0, *, bool return_lse=False)
-        -> (Tensor attention_out, Tensor softmax_lse)
+        float? scale_value=None, int inner_precise=0, int block_size=0, *, bool return_lse=False,
+        str precision="auto") -> (Tensor attention_out, Tensor softmax_lse)
 
 Its PrivateUse1 kernel (csrc/npu/aclnn_translate.cpp) repeats every check below in C++ and is
 tested on CPU against an aclnn test double (tests/test_aclnn_double.py).

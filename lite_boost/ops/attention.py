@@ -1,7 +1,8 @@
 """Dense attention dispatch: FA3 -> FA2 -> Ascend prompt flash attention -> PyTorch SDPA.
 
 With ``precision="int8"`` the order is SageAttention (CUDA) -> Ascend fused attention in its int8
-mode; with ``precision="fp8"`` FlashAttention-3 FP8 -> SageAttention FP8 (both CUDA); see
+mode -> the C++ CPU kernel with every block selected (``cpu_int8``, :mod:`lite_boost.ops.precision`);
+with ``precision="fp8"`` FlashAttention-3 FP8 -> SageAttention FP8 (both CUDA); see
 ``_attention_lowp.py`` for the argument mapping of each. No silent fallback to full precision: a
 precision nothing here can run raises and says why for each backend.
 
@@ -36,8 +37,10 @@ from ._lowp import PRECISIONS, check_precision
 from ._optional import import_optional as _import_optional
 from ._optional import module_or_none as _module_or_none
 from ._override import BackendOverride, raise_when_run
+from .precision import cpu_attention, cpu_int8_reason, cpu_precision_reason
 
 __all__ = [
+    "precision_reason",
     "AttentionBackendError",
     "BackendSpec",
     "BACKENDS",
@@ -61,7 +64,7 @@ _AUTO_ORDER = ("fa3", "fa2", "npu", "sdpa")
 # backends are only chosen when a precision asks for them (or when forced by name).
 _ORDERS = {
     "auto": _AUTO_ORDER,
-    "int8": ("sage", "npu_int8"),
+    "int8": ("sage", "npu_int8", "cpu_int8"),
     "fp8": ("fa3_fp8", "sage_fp8"),
 }
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -294,6 +297,14 @@ class BackendSpec:
         return self.probe()
 
 
+def _cpu_int8_impl(q, k, v, scale, key_mask=None):
+    return cpu_attention(q, k, v, "BSND", scale, False, "int8")
+
+
+def _cpu_int8_lse(q, k, v, scale):
+    return cpu_attention(q, k, v, "BSND", scale, True, "int8")
+
+
 BACKENDS: dict[str, BackendSpec] = {
     spec.name: spec
     for spec in (
@@ -325,6 +336,10 @@ BACKENDS: dict[str, BackendSpec] = {
                     "Ascend fused inference attention in its documented full-quantization mode (int8 Q/K/V, "
                     "per-tensor dequant_scale1 / quant_scale1 / dequant_scale2; torch_npu."
                     "npu_fused_infer_attention_score)", _lowp_impl.npu_int8_lse, precision="int8"),
+        BackendSpec("cpu_int8", ("cpu",), _LOWP_DTYPES, 1 << 16, 1, None, True, cpu_int8_reason, _cpu_int8_impl,
+                    "the C++ rain_fusion kernel (torch.ops.lite_boost) with every block selected: int8 Q K^T after "
+                    "smoothing K (oneDNN u8 x s8 brgemm, AVX512-VNNI / AVX-VNNI / AMX-INT8), fp32 softmax, bf16 "
+                    "P V (fp32 without AVX512-BF16)", _cpu_int8_lse, precision="int8"),
     )
 }
 assert tuple(BACKENDS) == ATTENTION_BACKEND_NAMES
@@ -423,6 +438,23 @@ def available_backends(device: str | torch.device = "cpu", dtype: torch.dtype = 
             for n in _ORDERS[precision]}
 
 
+def precision_reason(device_type: str, precision: str, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
+                     heads: int = 8) -> str | None:
+    """None when attention at ``precision`` can run on ``device_type``, else why not (the planning check of
+    ``BoostConfig(attention={"precision": ...})``). CPU: the C++ kernel's modes; elsewhere: whether a dense
+    backend of that precision is usable for the signature."""
+    precision = check_precision(precision)
+    if precision == "auto":
+        return None
+    if device_type == "cpu":
+        return cpu_precision_reason(precision)
+    reasons = available_backends(device_type, dtype, head_dim, heads, precision=precision)
+    if any(r is None for r in reasons.values()):
+        return None
+    return f"no {precision} attention kernel can run on {device_type} here (" + "; ".join(
+        f"{n}: {r}" for n, r in reasons.items()) + ")"
+
+
 def backend_report() -> list[tuple[str, str, str]]:
     """(name, 'usable'/'unavailable', detail) per backend, probing installation only (for `lite-boost env`)."""
     rows = []
@@ -497,7 +529,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
             diffusers' attention processors, or "BNSD"). k/v may have fewer heads than q (GQA).
         scale: softmax scale; None = head_dim ** -0.5.
         backend: force one of "fa3", "fa2", "npu", "sdpa" (full precision) or "sage", "sage_fp8",
-            "fa3_fp8", "npu_int8" (low precision); None = context manager, env var, automatic.
+            "fa3_fp8", "npu_int8", "cpu_int8" (low precision); None = context manager, env var, automatic.
         key_mask: (B, S_k) bool, True where a key may be attended (padded text tokens False), or None.
             Every query row needs at least one True key. Only backends with key-mask support run it
             (automatic choice skips the others; a forced one without support raises and lists the
@@ -509,7 +541,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str 
             combined with ``key_mask`` (Ring attention masks its joint keys itself).
         precision: "auto" (default: full precision, the backends above), "int8" (int8 Q / K after
             smoothing K by its mean over tokens, 16-bit P / V: SageAttention on CUDA, the documented
-            int8 mode of Ascend's fused attention on NPU) or "fp8" (FlashAttention-3 FP8 on Hopper,
+            int8 mode of Ascend's fused attention on NPU, the C++ kernel on CPU) or "fp8" (FlashAttention-3 FP8 on Hopper,
             then SageAttention's int8 Q / K with FP8 P / V on sm89 / sm90 / sm120). A precision that
             no backend can run here raises :class:`AttentionBackendError` naming each backend's
             reason (never a silent full-precision fallback); a forced backend of another precision

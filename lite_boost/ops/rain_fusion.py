@@ -29,6 +29,7 @@ cannot run raises :class:`SparseBackendError` saying why and listing the usable 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -42,6 +43,7 @@ from ._flex import FLEX
 from ._errors import SparseBackendError
 from ._override import BackendOverride
 from ._sparse_kernels import dense_masked_attention, gather_attention
+from .precision import check_precision, cpu_precision_reason
 
 __all__ = [
     "SparseBackendError",
@@ -83,6 +85,7 @@ class _Problem:
     block_shape: tuple[int, int]
     scale: float
     inner_precise: int
+    precision: str = "auto"
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -317,7 +320,7 @@ def _run_flex(query, key, value, select_idx, select_num, p, need_lse):
 def _run_cpp(query, key, value, select_idx, select_num, p, need_lse):
     out, lse = torch.ops.lite_boost.rain_fusion_attention(
         query, key, value, select_idx, select_num, list(p.block_shape), None, list(p.q_lens), list(p.kv_lens), None,
-        p.q_layout, p.kv_layout, p.n2, 0, p.scale, p.inner_precise, 0, return_lse=need_lse)
+        p.q_layout, p.kv_layout, p.n2, 0, p.scale, p.inner_precise, 0, return_lse=need_lse, precision=p.precision)
     return out, (lse if need_lse else None)
 
 
@@ -337,6 +340,13 @@ class _Context:
     n1: int
     n2: int
     inner_precise: int
+    precision: str = "auto"
+
+
+def _full_precision_only(c: _Context) -> str | None:
+    if c.precision != "auto":
+        return f"runs in the input dtype only (precision={c.precision!r} asked)"
+    return None
 
 
 def _reject_npu(c: _Context) -> str | None:
@@ -345,6 +355,8 @@ def _reject_npu(c: _Context) -> str | None:
     why = _sparse_npu.contract_violation(c.dtype, c.n1, c.n2, c.inner_precise)
     if why:
         return why
+    if c.precision != "auto":
+        return f"the Ascend operator runs in the input dtype only (precision={c.precision!r} asked)"
     if c.need_lse:
         return "the Ascend operator does not return softmax_lse"
     if c.needs_grad:
@@ -357,6 +369,8 @@ def _reject_cpp(c: _Context) -> str | None:
         return f"wrong device: needs cpu, got {c.device_type}"
     if c.needs_grad:
         return "the C++ kernel is inference-only (inputs require grad)"
+    if c.precision != "auto":
+        return cpu_precision_reason(c.precision)
     return _ext.cpu_kernel_reason("rain_fusion_attention")
 
 
@@ -365,6 +379,8 @@ def _reject_flex(c: _Context) -> str | None:
         return f"wrong device: needs cpu or cuda, got {c.device_type}"
     if c.needs_grad:
         return "compiled FlexAttention is used for inference only (inputs require grad)"
+    if _full_precision_only(c):
+        return _full_precision_only(c)
     if c.need_lse and c.device_type == "cpu":
         return "compiled FlexAttention on CPU cannot return softmax_lse"
     if c.device_type == "cuda" and any(x % 128 for x in c.block_shape):
@@ -373,7 +389,7 @@ def _reject_flex(c: _Context) -> str | None:
 
 
 def _reject_any(c: _Context) -> str | None:
-    return None
+    return _full_precision_only(c)
 
 
 @dataclass(frozen=True)
@@ -422,18 +438,20 @@ def _choose(c: _Context, backend) -> tuple[str, str]:
 
 def select_sparse_backend(query: torch.Tensor, key: torch.Tensor | None = None, *, block_shape=(128, 128),
                           return_lse: bool = False, inner_precise: int = 0, backend: str | None = None,
-                          heads_axis: int = 1) -> str:
+                          heads_axis: int = 1, precision: str = "auto") -> str:
     """Name of the backend ``rain_fusion_attention`` would use for these tensors."""
     key = query if key is None else key
     c = _Context(query.device.type, query.dtype, return_lse,
                  torch.is_grad_enabled() and (query.requires_grad or key.requires_grad),
-                 tuple(block_shape), query.shape[heads_axis], key.shape[heads_axis], inner_precise)
+                 tuple(block_shape), query.shape[heads_axis], key.shape[heads_axis], inner_precise,
+                 check_precision(precision))
     return _choose(c, backend)[0]
 
 
-def available_sparse_backends(device="cpu", dtype=torch.float32) -> dict[str, str | None]:
-    """Map backend name -> None if usable for a plain inference call on ``device``/``dtype``, else why not."""
-    c = _Context(torch.device(device).type, dtype, False, False, (128, 128), 1, 1, 0)
+def available_sparse_backends(device="cpu", dtype=torch.float32, precision: str = "auto") -> dict[str, str | None]:
+    """Map backend name -> None if usable for a plain inference call on ``device``/``dtype`` at ``precision``,
+    else why not."""
+    c = _Context(torch.device(device).type, dtype, False, False, (128, 128), 1, 1, 0, check_precision(precision))
     return {n: _BACKENDS[n].rejects(c) for n in SPARSE_BACKENDS}
 
 
@@ -452,7 +470,7 @@ def sparse_backend(name: str | None):
 def _dispatch(query, key, value, select_idx, select_num, p: _Problem, return_lse: bool, backend):
     c = _Context(query.device.type, query.dtype, return_lse,
                  torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)),
-                 p.block_shape, p.n1, p.n2, p.inner_precise)
+                 p.block_shape, p.n1, p.n2, p.inner_precise, p.precision)
     name, how = _choose(c, backend)
     logger.debug("rain_fusion_attention: backend %r (%s)", name, how)
     if name == "flex":
@@ -480,7 +498,7 @@ def rain_fusion_attention(query, key, value, select_idx, select_num_idx, block_s
                           actual_seq_lengths=None, actual_seq_lengths_kv=None, block_table=None,
                           q_input_layout="TND", kv_input_layout="TND", num_key_value_heads=None, mask_type=0,
                           scale_value=None, inner_precise=0, block_size=0, *, return_lse: bool = False,
-                          backend: str | None = None):
+                          backend: str | None = None, precision: str = "auto"):
     """Block-sparse attention with the semantics of CANN ``aclnnRainFusionAttention``.
 
     Args:
@@ -504,6 +522,12 @@ def rain_fusion_attention(query, key, value, select_idx, select_num_idx, block_s
             the choice to backends that produce it ("cpp", "gather", "reference", "flex" on CUDA).
         backend: force "npu", "cpp", "flex", "gather" or "reference" (None = context manager, env var,
             automatic).
+        precision: "auto" (the input dtype) or "int8": Q K^T on int8 dot products after smoothing
+            K by its mean over each (batch, KV head)'s tokens (per-row query scales, per-KV-block key
+            scales), fp32 softmax, P V in bf16 (fp32 where the CPU has no bf16 dot products); the
+            log-sum-exp is that of the unquantized scores' shift-corrected softmax. "int8" runs on the
+            "cpp" backend (CPU with int8 dot products); "fp8" has no kernel here. The other backends
+            run "auto" only.
 
     Returns:
         ``(out, softmax_lse)``: ``out`` in the query's layout and dtype (rows that select nothing
@@ -521,5 +545,6 @@ def rain_fusion_attention(query, key, value, select_idx, select_num_idx, block_s
                   mask_type, scale_value, inner_precise, block_size)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
+    p = dataclasses.replace(p, precision=check_precision(precision))
     out, lse, _ = _dispatch(query, key, value, select_idx, select_num_idx, p, return_lse, backend)
     return out, lse

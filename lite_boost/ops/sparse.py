@@ -43,6 +43,7 @@ from ._checks import check_qkv_tensors
 from ._sparse_layout import token_order
 from ._sparse_mask import BUDGETS, SELECTORS, block_scores, forced_blocks, select_blocks
 from .lse import merge_partial, start_partial
+from .precision import check_precision
 
 __all__ = ["sparse_attention", "SparseStats", "BlockSelection", "SPARSE_TYPES", "INPUT_LAYOUTS", "SELECTORS",
            "BUDGETS", "DEFAULT_SELECTOR_REPS"]
@@ -170,11 +171,11 @@ def _check_float(name, value, lo, hi, lo_open=False, hi_open=False):
 # --------------------------------------------------------------------------------------------- #
 
 
-def _dense(q4, k4, v4, scale, attn_mask, is_causal):
+def _dense(q4, k4, v4, scale, attn_mask, is_causal, precision="auto"):
     if attn_mask is None and not is_causal:
         from .attention import attention
 
-        return attention(q4, k4, v4, layout="BNSD", scale=scale)
+        return attention(q4, k4, v4, layout="BNSD", scale=scale, precision=precision)
     gqa = {"enable_gqa": True} if q4.shape[1] != k4.shape[1] else {}
     return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **gqa)
 
@@ -200,7 +201,7 @@ def _head_chunk(n2: int, requested) -> int:
 def sparse_attention(q, k, v, attn_mask=None, scale=None, is_causal=False, head_num=1, input_layout="BNSD",
                      inner_precise=0, sparse_type=None, txt_len=0, block_size=128, latent_shape_q=None,
                      latent_shape_k=None, keep_sink=True, keep_recent=True, cdf_threshold=1.0, sparsity=0.0,
-                     **extras: Any):
+                     precision="auto", **extras: Any):
     """Attention over (q, k, v), dense or RainFusion 2.0 block-sparse.
 
     Args:
@@ -222,6 +223,10 @@ def sparse_attention(q, k, v, attn_mask=None, scale=None, is_causal=False, head_
             of its estimated attention mass (never more than the sparsity budget).
         sparsity: in [0, 1): each query block keeps the top ``ceil((1 - sparsity) * kv_blocks)``
             KV blocks by score, plus the forced blocks (``budget`` says whether on top or within).
+        precision: "auto" (the input dtype) or "int8" (int8 Q K^T after smoothing K, fp32 softmax,
+            16-bit P V; see :mod:`lite_boost.ops.precision`), on the sparse kernel and on the dense
+            paths (where dense attention at "int8" is the same kernel with every block selected);
+            not with ``attn_mask`` / ``is_causal``. The block selection does not depend on it.
         **extras: ``window`` ((wt, wh, ww) with volume block_size, None = reference 8x8 order,
             "raster"); ``min_seq_len`` (dense below this query length, default 0);
             ``selection`` (a BlockSelection to reuse); ``return_stats`` (also return a
@@ -277,6 +282,9 @@ def sparse_attention(q, k, v, attn_mask=None, scale=None, is_causal=False, head_
         raise TypeError(f"return_stats must be True or False, got {return_stats!r}")
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be True or False, got {is_causal!r}")
+    precision = check_precision(precision)
+    if precision != "auto" and (attn_mask is not None or is_causal):
+        raise ValueError(f"precision={precision!r} supports neither attn_mask nor is_causal; pass precision='auto'")
 
     def finish(out4, stats):
         out = back(out4)
@@ -286,10 +294,12 @@ def sparse_attention(q, k, v, attn_mask=None, scale=None, is_causal=False, head_
         def dense(*_):  # dense Ring attention of the chunk (exact, merged through the log-sum-exp)
             from .attention import attention
 
-            kernel = lambda a, b_, c_: attention(a, b_, c_, layout="BSND", scale=scale, return_lse=True)  # noqa: E731
+            kernel = lambda a, b_, c_: attention(a, b_, c_, layout="BSND", scale=scale, return_lse=True,  # noqa: E731
+                                                 precision=precision)
             return ring.attention(kernel, q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2)).transpose(1, 2)
     else:
-        dense = _dense
+        def dense(*args):
+            return _dense(*args, precision=precision)
     if sparse_type is None:
         if extras.get("selection") is not None:
             raise ValueError("selection= is only meaningful with sparse_type='rf_v2'")
@@ -373,7 +383,7 @@ def sparse_attention(q, k, v, attn_mask=None, scale=None, is_causal=False, head_
         return finish(dense(q4, k4, v4, scale, None, False), SparseStats("dense", reason, None, sparsity, 0.0, nqb, nkb))
     # backend choice is validated now, before the work starts
     be = _rf.select_sparse_backend(q4, k4, block_shape=(block_size, block_size), inner_precise=inner_precise,
-                                   backend=backend, return_lse=ring is not None)
+                                   backend=backend, return_lse=ring is not None, precision=precision)
     scale_v = scale if scale is not None else q4.shape[-1] ** -0.5
 
     # ---- reorder, select, run ----
@@ -396,7 +406,7 @@ def sparse_attention(q, k, v, attn_mask=None, scale=None, is_causal=False, head_
         select = _Selector(block_size, scale_v, selector, reps, keep, forced_q, forced_kv, diagonal, cdf_threshold,
                            q_tok, kv_tok, budget, g, c)
         out4, selection_out, pairs, rows = _ring_rf_v2(q4, k4, v4, ring, (lq, window, txt_len), select, selection,
-                                                       signature, be, inner_precise)
+                                                       signature, be, inner_precise, precision)
         effective = 1.0 - pairs / (b * n1 * rows * skv) if rows else 0.0
         stats = SparseStats("sparse", "rf_v2", be, sparsity, effective, nqb, nkb, selection_out, selection is not None,
                             selector, budget)
@@ -425,7 +435,7 @@ def sparse_attention(q, k, v, attn_mask=None, scale=None, is_causal=False, head_
             si, sn = selection.select_idx[:, hq], selection.select_num[:, hq]
         vc = _reorder(v4[:, hk], perm_k, None if grad else bufs[2])
         problem = _rf._Problem("BNSD", "BNSD", (sq,) * b, (skv,) * b, c * g, c, (block_size, block_size), scale_v,
-                               inner_precise)
+                               inner_precise, precision)
         oc, _, be = _rf._dispatch(qc, kc, vc, si, sn, problem, False, backend)
         del qc, kc, vc
         if grad:
@@ -529,7 +539,8 @@ def _split_selection(idx: torch.Tensor, num: torch.Tensor, lo: int, hi: int):
     return torch.where(local >= big, torch.full_like(local, -1), local), n.to(torch.int64)
 
 
-def _ring_rf_v2(q4, k4, v4, ring, order, select: _Selector, selection, signature, backend, inner_precise):
+def _ring_rf_v2(q4, k4, v4, ring, order, select: _Selector, selection, signature, backend, inner_precise,
+                precision="auto"):
     """Block-sparse Ring attention of this rank's chunk (see ``sparse_attention``'s ``ring``).
 
     Returns (out (B, N1, L, D) BNSD with zero padded rows, BlockSelection of this rank's rows, kept
@@ -588,7 +599,7 @@ def _ring_rf_v2(q4, k4, v4, ring, order, select: _Selector, selection, signature
         o, lse = _rf.rain_fusion_attention(
             qp, chunk_kv[0][:, :, :vk], chunk_kv[1][:, :, :vk], si, sn, [block, block], q_input_layout="BNSD",
             kv_input_layout="BNSD", scale_value=select.scale, inner_precise=inner_precise, return_lse=True,
-            backend=backend)
+            backend=backend, precision=precision)
         if not acc:
             acc.extend(start_partial(o, lse))
         else:

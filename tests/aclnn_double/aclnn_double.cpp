@@ -664,13 +664,13 @@ std::tuple<at::Tensor, at::Tensor> rain_fusion_attention_double(
     at::OptionalIntArrayRef actual_seq_lengths, at::OptionalIntArrayRef actual_seq_lengths_kv,
     const std::optional<at::Tensor>& block_table, c10::string_view q_input_layout, c10::string_view kv_input_layout,
     std::optional<int64_t> num_key_value_heads, int64_t mask_type, std::optional<double> scale_value,
-    int64_t inner_precise, int64_t block_size, bool return_lse) {
+    int64_t inner_precise, int64_t block_size, bool return_lse, c10::string_view precision) {
   RecordingGlue glue;
   return lite_boost::npu::rain_fusion_attention(double_api(), glue, kCheck, query, key, value, select_idx,
                                                 select_num_idx, block_shape, atten_mask, actual_seq_lengths,
                                                 actual_seq_lengths_kv, block_table, q_input_layout, kv_input_layout,
                                                 num_key_value_heads, mask_type, scale_value, inner_precise, block_size,
-                                                return_lse);
+                                                return_lse, precision);
 }
 
 template <bool kCheck>
@@ -739,7 +739,8 @@ constexpr const char* kRainFusionArgs =
     "int[] block_shape, Tensor? atten_mask=None, int[]? actual_seq_lengths=None, "
     "int[]? actual_seq_lengths_kv=None, Tensor? block_table=None, str q_input_layout=\"TND\", "
     "str kv_input_layout=\"TND\", int? num_key_value_heads=None, int mask_type=0, float? scale_value=None, "
-    "int inner_precise=0, int block_size=0, *, bool return_lse=False) -> (Tensor attention_out, Tensor softmax_lse)";
+    "int inner_precise=0, int block_size=0, *, bool return_lse=False, str precision=\"auto\") "
+    "-> (Tensor attention_out, Tensor softmax_lse)";
 constexpr const char* kPromptFlashArgs =
     "(Tensor query, Tensor key, Tensor value, *, int[]? actual_seq_lengths=None, "
     "int num_heads=1, float scale_value=1.0, int pre_tokens=2147473647, int next_tokens=0, "

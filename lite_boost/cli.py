@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["main", "build_parser", "write_video", "write_image", "models_report", "detect_family",
+__all__ = ["main", "build_parser", "write_video", "write_image", "models_report", "installed_classes_report", "detect_family",
            "family_for_pipeline_class", "resolve_family", "check_family_options"]
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -143,7 +143,45 @@ def models_report() -> str:
         notes.append(f"- {d['family']}: step caches {', '.join(d['cache_methods']) or 'none'}; default quantized "
                      f"modules {', '.join(d['quant_patterns']) or 'none'}"
                      + (f"; not supported: {'; '.join(why)}" if why else "") + (f"; {d['notes']}" if d["notes"] else ""))
-    return "\n".join(lines + [""] + notes)
+    return "\n".join(lines + [""] + notes + ["", installed_classes_report()])
+
+
+def installed_classes_report() -> str:
+    """Every transformer class of the installed diffusers: its path (a named family, lite_boost's generic path
+    through diffusers' attention dispatcher, or why neither) and the features it gets, read from the code."""
+    from lite_boost.adapter.family import FEATURES
+    from lite_boost.adapter.generic import class_family, installed_transformer_classes
+    from lite_boost.registry import SUPPORTED_MODELS, UnsupportedModelError, family_of, load_builtin_adapters
+
+    load_builtin_adapters()
+    classes = installed_transformer_classes()
+    lines = [f"## installed diffusers transformer classes ({len(classes)})", "",
+             "| class | path | " + " | ".join(FEATURES) + " | not supported |", "|---" * (3 + len(FEATURES)) + "|"]
+    counts = {"family": 0, "generic": 0, "no": 0}
+    always_off = {"sequence_parallel", "cfg_parallel", "parallel_vae"}  # the generic path has none of them yet
+    for name, cls in classes.items():
+        fn = SUPPORTED_MODELS.get(name)
+        fam = family_of(fn) if fn is not None else None
+        path = f"family {fam.name}" if fam is not None else None
+        if fam is None:
+            try:
+                fam, path = class_family(cls), "generic"
+            except UnsupportedModelError as exc:
+                counts["no"] += 1
+                lines.append(f"| {name} | no | " + " | ".join("no" for _ in FEATURES)
+                             + f" | {str(exc).split(': ', 1)[-1].split(', and no model family')[0]} |")
+                continue
+        counts["family" if path.startswith("family") else "generic"] += 1
+        feats = fam.features
+        shown = {f: r for f, r in feats.items() if r is not None and not (path == "generic" and f in always_off)}
+        lines.append(f"| {name} | {path} | " + " | ".join("yes" if feats[f] is None else "no" for f in FEATURES)
+                     + " | " + "; ".join(f"{f}: {r}" for f, r in shown.items()) + " |")
+    lines += ["", f"{counts['family']} by a named family, {counts['generic']} on the generic path, {counts['no']} not "
+              "boosted (read from the installed diffusers' code; `lite_boost.boost` checks each instance). The generic "
+              "path: lite_boost's attention backend in diffusers' dispatcher, quantization of the _repeated_blocks, "
+              "diffusers' step-cache hooks, block-sparse attention over the latent grid; not yet: "
+              + ", ".join(sorted(always_off)) + "."]
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------- #
@@ -418,10 +456,44 @@ def detect_family(model_dir: str | os.PathLike):
         raise SystemExit(f"lite-boost generate: --model {model_dir}: {index} names no pipeline class (_class_name)")
     family = family_for_pipeline_class(name)
     if family is None:
+        family = _generic_pipeline_family(model_dir, name, data)
+    return family, name
+
+
+def _generic_pipeline_family(model_dir, name: str, index: dict):
+    """The record of a pipeline no family registers, from the transformer class its model_index.json names:
+    that class's family, or lite_boost's generic path; SystemExit saying why when neither takes it."""
+    from lite_boost.adapter.generic import PIPELINE_TRANSFORMERS, class_family
+    from lite_boost.registry import SUPPORTED_MODELS, UnsupportedModelError, family_of, load_builtin_adapters
+
+    load_builtin_adapters()
+    entries = [index.get(a) for a in PIPELINE_TRANSFORMERS if isinstance(index.get(a), list) and index.get(a)[-1]]
+    if not entries:
         supported = [n for f in _registered_families().values() for n in f.pipelines]
         raise SystemExit(f"lite-boost generate: --model {model_dir} holds a {name}, which lite_boost does not "
-                         f"support; supported pipeline classes: {supported}")
-    return family, name
+                         f"support; supported pipeline classes: {supported}, and any pipeline whose transformer "
+                         f"({' / '.join(PIPELINE_TRANSFORMERS)} in model_index.json) a family or the generic path "
+                         "boosts (lite-boost models)")
+    import diffusers
+
+    records = []
+    for library, cls_name in entries:
+        fn = SUPPORTED_MODELS.get(cls_name)
+        if fn is not None and family_of(fn) is not None:
+            records.append(family_of(fn))
+            continue
+        cls = getattr(diffusers, cls_name, None) if library == "diffusers" else None
+        if cls is None:
+            raise SystemExit(f"lite-boost generate: --model {model_dir}: its transformer class {library}.{cls_name} "
+                             "is not a class of the installed diffusers")
+        try:
+            records.append(class_family(cls, pipeline_class=name))
+        except UnsupportedModelError as exc:
+            raise SystemExit(f"lite-boost generate: --model {model_dir} holds a {name}: {exc}") from None
+    if len(records) > 1 and any(r.name != records[0].name for r in records):
+        raise SystemExit(f"lite-boost generate: --model {model_dir} holds a {name} whose transformers take different "
+                         f"paths ({[r.name for r in records]}); boost it from Python (lite_boost.boost(pipe))")
+    return records[0]
 
 
 def resolve_family(args):

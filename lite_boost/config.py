@@ -44,6 +44,12 @@ ATTENTION_BACKEND_NAMES = ("fa3", "fa2", "npu", "sdpa", "sage", "sage_fp8", "fa3
 ATTENTION_PRECISIONS = ("auto", "int8", "fp8")
 # Block-sparse kernels of ``lite_boost.ops.rain_fusion_attention`` (same reason).
 SPARSE_BACKEND_NAMES = ("npu", "cpp", "flex", "gather", "reference")
+# Sequence length (tokens per sequence) from which the whole block-sparse call (selection, reorder, kernel) beat
+# dense SDPA at sparsity 0.8, head_dim 128, float32, per CPU backend; None = not within the measured lengths (up to
+# SPARSE_BREAK_EVEN_MEASURED_UP_TO). Measured by benchmarks/bench_sparse_break_even.py (results and the CPU model
+# in benchmarks/results/sparse_break_even.md); `lite-boost generate` uses it to say when sparse cannot pay.
+SPARSE_BREAK_EVEN = {"cpp": 8192, "flex": 8192, "gather": None}
+SPARSE_BREAK_EVEN_MEASURED_UP_TO = 8192
 SPARSE_TYPES = (None, "rf_v2")
 SPARSE_SELECTORS = ("subblock", "reference")  # = lite_boost.ops.sparse.SELECTORS (tested)
 SPARSE_BUDGETS = ("reference", "total")  # = lite_boost.ops.sparse.BUDGETS (tested)

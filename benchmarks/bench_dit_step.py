@@ -18,7 +18,13 @@ Rows (each a model built from the same weights; ``*_eager`` variants run the boo
 * ``boost_dense``       ``lite_boost.boost(model)``, compiled the same way (the recommendation of docs/guides/compile.md);
 * ``boost_sparse``      ``SparseConfig(sparsity=0.8)`` (every other setting at its default), compiled;
 * ``boost_int8``        ``QuantConfig("int8_dynamic")`` (torchao), compiled;
-* ``boost_sparse_int8`` both, compiled.
+* ``boost_sparse_int8`` both, compiled;
+* ``boost_sparse_int8_attn8`` both, and int8 attention (``attention={"precision": "int8"}``: int8 Q K^T,
+  bf16 P V in the sparse kernel), compiled.
+
+The int8-attention figure (one command; it appends its rows and prints the ratio of the last two rows)::
+
+    flock /tmp/lite_boost_bench.lock python benchmarks/bench_dit_step.py --rows boost_sparse_int8,boost_sparse_int8_attn8 --repeats 2
 
 Protocol: every row of the run is built and called once (warm-up: compiles, kernel JIT, first-touch
 allocations), then ``--repeats`` rounds call each row once in turn (interleaved), medians reported with
@@ -50,7 +56,8 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS_FILE = RESULTS / "dit_step_rows.jsonl"
-ROWS = ("stock_eager", "stock_compiled", "boost_dense", "boost_sparse", "boost_int8", "boost_sparse_int8")
+ROWS = ("stock_eager", "stock_compiled", "boost_dense", "boost_sparse", "boost_int8", "boost_sparse_int8",
+        "boost_sparse_int8_attn8")
 GRIDS = {32760: (21, 30, 52), 4096: (4, 32, 32), 16380: (21, 30, 26)}
 WAN_13B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
                text_dim=4096, freq_dim=256, ffn_dim=8960, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
@@ -72,6 +79,18 @@ def inputs(grid):
     return x, torch.tensor([500.0]), ctx
 
 
+def cpu_model() -> str:
+    """``lscpu``'s model name and CPU family (the ratios depend on the CPU)."""
+    info = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, val = line.partition(":")
+            info.setdefault(key.strip(), val.strip())
+    except OSError:
+        return platform.processor()
+    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')})"
+
+
 def base_row(row: str) -> str:
     """``boost_x_eager`` -> ``boost_x``; other names unchanged."""
     return row[: -len("_eager")] if row.startswith("boost") and row.endswith("_eager") else row
@@ -83,7 +102,8 @@ def boost_config(row: str):
     base = base_row(row)
     sparse = SparseConfig(sparsity=0.8) if "sparse" in base else None
     quant = QuantConfig("int8_dynamic") if "int8" in base else None
-    return BoostConfig(sparse=sparse, quant=quant)
+    attention = {"precision": "int8"} if base.endswith("_attn8") else {}
+    return BoostConfig(sparse=sparse, quant=quant, attention=attention)
 
 
 def make_row(row: str, stock):
@@ -160,7 +180,8 @@ def label(row: str) -> str:
 
 
 LABELS = {"stock_eager": "stock eager", "stock_compiled": "stock compiled", "boost_dense": "boost dense",
-          "boost_sparse": "boost sparse 0.8", "boost_int8": "boost int8", "boost_sparse_int8": "boost sparse 0.8 + int8"}
+          "boost_sparse": "boost sparse 0.8", "boost_int8": "boost int8", "boost_sparse_int8": "boost sparse 0.8 + int8",
+          "boost_sparse_int8_attn8": "boost sparse 0.8 + int8 + int8 attention"}
 
 
 def assemble(path=ROWS_FILE):
@@ -283,11 +304,15 @@ def main(argv=None):
                "rel_err": float((o - ref).norm() / ref.norm()),
                "cosine": float(torch.nn.functional.cosine_similarity(o, ref, dim=0)),
                "sparse": sparse_info(models[r]), "load_before": load_before, "load_after": load_after,
-               "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count()}
+               "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
+               "cpu_model": cpu_model()}
         records.append(rec)
         print(f"{r:22s} median {med:7.2f} s  {base / med:5.2f}x  rel err {rec['rel_err']:.1e}  "
               f"sparse {rec['sparse']}", flush=True)
     print(f"load average {load_before:.2f} before, {load_after:.2f} after")
+    if len(rows) >= 3:  # the last boosted row against the one before it (e.g. int8 attention on / off)
+        a, b = rows[-2], rows[-1]
+        print(f"{b} vs {a}: {statistics.median(times[a]) / statistics.median(times[b]):.2f}x faster")
     if not args.no_record:
         RESULTS.mkdir(parents=True, exist_ok=True)
         with ROWS_FILE.open("a") as fh:

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from .config import BoostConfig, ConfigError
 from .registry import families, family_of, lookup, names_where
 
-__all__ = ["boost", "unboost", "is_boosted", "ParallelManager"]
+__all__ = ["boost", "unboost", "is_boosted", "ParallelManager", "auto_layout", "memory_plan"]
 
 
 def boost(target, config=None):
@@ -70,11 +70,17 @@ def _boost(target, config: BoostConfig):
 
 
 def unboost(target):
-    """Restore the original diffusers processors, modules and (quantized) weights of a boosted target; returns it."""
+    """Restore the original diffusers processors, modules and (quantized) weights of a boosted target; returns it.
+
+    A target ``ParallelManager`` distributed is unparallelized first (sharded weights are gathered back: then a
+    collective, to call on every rank)."""
     fn = lookup(target)
     undo = getattr(fn, "unboost", None)
     if undo is None:
         raise TypeError(f"the adapter for {type(target).__name__} does not support unboost")
+    from .parallel.manager import unparallelize
+
+    unparallelize(target)
     return undo(target)
 
 
@@ -137,6 +143,100 @@ def check_weight_sharding(target, models, config: BoostConfig, world_size: int, 
     return tp_plans
 
 
+def _device_memory(device) -> int | None:
+    """Total memory of the rank's accelerator (None on the CPU)."""
+    import torch
+
+    from .parallel.groups import default_device, read_torchrun_env
+
+    dev = torch.device(device) if device is not None else default_device(read_torchrun_env()[1])
+    mod = getattr(torch, dev.type, None) if dev.type != "cpu" else None
+    try:
+        return int(mod.get_device_properties(dev).total_memory) if mod is not None else None
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def memory_plan(target, config: BoostConfig | Mapping | Any, world_size: int, *, device=None):
+    """The memory planner's :class:`~lite_boost.memory.MemoryPlan` for ``target`` on ``world_size`` ranks: the
+    real module's parameter counts (every transformer of a pipeline, its text encoder), the shape of
+    ``parallel.layout_shape`` (else the family's reference), ``parallel.device_memory`` (else the device's)."""
+    import dataclasses
+
+    from .config import ParallelConfig
+    from .memory import DEFAULT_SHAPE, ModelDims, plan_layouts, token_count
+
+    config = BoostConfig.coerce(config)
+    par = config.parallel
+    family = family_of(lookup(target))
+    models = family.transformers_of(target) if family is not None else [target]
+    is_pipe = family is not None and family.is_pipeline(target)
+    text_encoder = getattr(target, "text_encoder", None) if is_pipe else None
+    first = next(models[0].parameters())
+    extras = {}
+    if family is not None:
+        cfg = family.pipeline.cfg
+        extras = dict(joint_text=family.joint != "cross", cfg_batched=getattr(cfg, "kind", None) == "batched")
+    dims = ModelDims.from_module(models[0], text_encoder=text_encoder, dtype_bytes=first.element_size(), **extras)
+    if len(models) > 1:  # e.g. Wan2.2's two experts: both resident, one runs per call
+        dims = dataclasses.replace(dims, blocks_params=dims.blocks_params * len(models),
+                                   blocks_linear_params=dims.blocks_linear_params * len(models),
+                                   other_params=dims.other_params * len(models))
+    shape = par.layout_shape or tuple((getattr(family, "reference", None) or {}).get("shape", DEFAULT_SHAPE))
+    memory = par.device_memory if par.device_memory is not None else _device_memory(device)
+    if memory is None:
+        raise ConfigError("layout='auto' needs parallel.device_memory (e.g. '24GiB') on the CPU: there is no device "
+                          "memory to read")
+    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+    sequence_ok = family is None or family.supports("sequence_parallel")
+    available = {"tp": "tp_degree" in fields, "fsdp": "fsdp_degree" in fields,
+                 "cfg": is_pipe and family.supports("cfg_parallel"), "offload": True}
+    return plan_layouts(dims, world_size, token_count(dims, *shape), memory, shape=shape, available=available,
+                        ring=sequence_ok)
+
+
+def auto_layout(target, config: BoostConfig | Mapping | Any, world_size: int, *, device=None) -> BoostConfig:
+    """``config`` with ``parallel.layout="auto"`` resolved: the planner's recommendation (the fitting layout
+    that moves least; with ``offload`` set, the fitting offload layout) written into its degrees and offload.
+    ConfigError naming the smallest layout when none fits."""
+    import dataclasses
+    import logging
+
+    from .config import OffloadConfig, ParallelConfig
+    from .memory import format_plan
+
+    config = BoostConfig.coerce(config)
+    plan = memory_plan(target, config, world_size, device=device)
+    family = family_of(lookup(target))
+    sequence_ok = family is None or family.supports("sequence_parallel")
+
+    def allowed(e):
+        lay = e.layout
+        return (e.fits and (lay.sequence == 1 or sequence_ok) and (lay.offload or config.offload is None)
+                and (lay.tp == 1 or plan_has(e, "tp")) and (lay.fsdp == 1 or plan_has(e, "fsdp"))
+                and (lay.cfg == 1 or plan_has(e, "cfg")))
+
+    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+
+    def plan_has(e, what):
+        if what == "cfg":
+            return family is not None and family.is_pipeline(target) and family.supports("cfg_parallel")
+        return f"{what}_degree" in fields
+
+    chosen = next((e for e in plan.rows if allowed(e)), None)
+    if chosen is None:
+        smallest = min(plan.rows, key=lambda e: e.total)
+        raise ConfigError(f"layout='auto': no layout of {world_size} rank(s) fits device_memory="
+                          f"{plan.device_memory / 2**30:.2f} GiB for {type(target).__name__} at {plan.tokens} tokens; "
+                          f"the smallest, {smallest.layout.label()}, needs {smallest.total / 2**30:.2f} GiB per rank "
+                          "(lite-boost plan shows every layout)")
+    degrees = {k: v for k, v in chosen.layout.parallel_fields().items() if k in fields}
+    parallel = dataclasses.replace(config.parallel, layout="manual", device_memory=None, layout_shape=None, **degrees)
+    offload = config.offload if config.offload is not None else (OffloadConfig() if chosen.layout.offload else None)
+    logging.getLogger("lite_boost.api").info("layout='auto': %s\n%s", chosen.layout.label(), format_plan(plan))
+    return config.replace(parallel=parallel, offload=offload)
+
+
 def _rank_device(mesh, device, move_to_device):
     """The device this rank's model will run on, for checks made before the mesh exists (None: where it is)."""
     import torch
@@ -184,6 +284,11 @@ def ParallelManager(target, config: BoostConfig | Mapping | Any = None, *, mesh=
     config = BoostConfig.coerce(config)
     if mesh is not None and not isinstance(mesh, ParallelMesh):
         raise TypeError(f"mesh must be a ParallelMesh from initialize_usp, got {type(mesh).__name__}")
+    if config.parallel.layout == "auto":  # the memory planner's layout, before anything reads the degrees
+        if mesh is not None:
+            raise ConfigError("layout='auto' with a mesh: the mesh already fixes the degrees; pass no mesh or use "
+                              "layout='manual'")
+        config = auto_layout(target, config, world_size_of(None), device=device)
     fn = lookup(target)  # UnsupportedModelError (a TypeError) for unknown classes
     family = family_of(fn)
     ring_degree = 1

@@ -28,6 +28,7 @@ __all__ = [
     "QuantConfig",
     "OffloadConfig",
     "QUANT_METHODS",
+    "parse_bytes",
     "parallel_from_boost_manager",
     "ATTENTION_BACKEND_NAMES",
     "SPARSE_BACKEND_NAMES",
@@ -43,10 +44,19 @@ ATTENTION_BACKEND_NAMES = ("fa3", "fa2", "npu", "sdpa", "sage", "sage_fp8", "fa3
 ATTENTION_PRECISIONS = ("auto", "int8", "fp8")
 # Block-sparse kernels of ``lite_boost.ops.rain_fusion_attention`` (same reason).
 SPARSE_BACKEND_NAMES = ("npu", "cpp", "sparge", "flex_int8", "flex", "gather", "reference")
+# Sequence length (tokens per sequence) from which the whole block-sparse call (selection, reorder, kernel) beat
+# dense SDPA at sparsity 0.8, head_dim 128, float32, per CPU backend; None = not within the measured lengths (up to
+# SPARSE_BREAK_EVEN_MEASURED_UP_TO). Measured by benchmarks/bench_sparse_break_even.py (results and the CPU model
+# in benchmarks/results/sparse_break_even.md); `lite-boost generate` uses it to say when sparse cannot pay.
+SPARSE_BREAK_EVEN = {"cpp": 8192, "flex": 8192, "gather": None}
+SPARSE_BREAK_EVEN_MEASURED_UP_TO = 8192
 SPARSE_TYPES = (None, "rf_v2")
 SPARSE_SELECTORS = ("subblock", "reference")  # = lite_boost.ops.sparse.SELECTORS (tested)
 SPARSE_BUDGETS = ("reference", "total")  # = lite_boost.ops.sparse.BUDGETS (tested)
-ROTATE_METHODS = ("p2p", "allgather")  # Ring attention K/V movement (lite_boost.parallel.ring)
+ROTATE_METHODS = ("p2p", "allgather")
+LAYOUTS = ("manual", "auto")  # ParallelConfig.layout: the degrees as given, or the memory planner's choice
+# The degrees layout="auto" chooses (those ParallelConfig has; see lite_boost.memory.Layout.parallel_fields).
+AUTO_LAYOUT_DEGREES = ("sequence_degree", "cfg_degree", "ulysses_degree", "ring_degree", "tp_degree", "fsdp_degree")  # Ring attention K/V movement (lite_boost.parallel.ring)
 QUANT_METHODS = ("int8_dynamic", "int8_weight_only", "fp8", "w8a8_npu")  # = lite_boost.quant.QUANT_METHOD_INFO (tested)
 
 
@@ -59,6 +69,27 @@ def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = No
         raise ConfigError(f"{name} must be >= {lo}, got {value}")
     if hi is not None and value > hi:
         raise ConfigError(f"{name} must be <= {hi}, got {value}")
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
+          "t": 1000 ** 4, "tb": 1000 ** 4, "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4}
+
+
+def parse_bytes(value: Any, name: str = "device_memory") -> int:
+    """A memory size: an int of bytes or a string such as ``"24GiB"``, ``"24 GB"``, ``"80G"`` (G = GB = 10^9,
+    GiB = 2^30); ConfigError naming ``name`` otherwise."""
+    if isinstance(value, bool):
+        pass
+    elif isinstance(value, int) and value > 0:
+        return value
+    elif isinstance(value, float) and value > 0 and math.isfinite(value):
+        return int(value)
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS and float(m.group(1)) > 0:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ConfigError(f"{name} must be a positive size in bytes or a string such as '24GiB', '24GB' or '80G' "
+                      f"(units {sorted(u for u in _UNITS if u)}), got {value!r}")
 
 
 def _check_bool(name: str, value: Any):
@@ -263,6 +294,13 @@ class ParallelConfig(_ConfigMixin):
         the CFG branches, so it must divide the world size (groups of contiguous ranks: with
         ``fsdp_degree <= sequence_degree`` a group lies inside one sequence group). 1 = off.
     fsdp_text_encoder: with ``fsdp_degree > 1``, shard the pipeline's text encoder(s) the same way.
+    layout: "manual" (the degrees above) or "auto": ``ParallelManager`` asks the memory planner
+        (:mod:`lite_boost.memory`, ``lite-boost plan``) for the layout that fits ``device_memory`` per rank
+        and moves least, and applies its degrees (and offload); the degrees are then left unset here.
+    device_memory: with layout "auto": memory per device, bytes or a string such as "24GiB"; None = the
+        accelerator's total memory (required on the CPU).
+    layout_shape: with layout "auto": (num_frames, height, width) the layout is planned for; None = the
+        family's reference shape (Wan: 81 x 480 x 832).
     """
 
     sequence_degree: int | None = None
@@ -280,8 +318,12 @@ class ParallelConfig(_ConfigMixin):
     tp_degree: int = 1
     fsdp_degree: int = 1
     fsdp_text_encoder: bool = True
+    layout: str = "manual"
+    device_memory: int | str | None = None
+    layout_shape: tuple[int, int, int] | None = None
 
     def __post_init__(self):
+        self._check_layout()
         _check_int("sequence_degree", self.sequence_degree, lo=1, allow_none=True)
         _check_choice("cfg_degree", self.cfg_degree, (1, 2))
         _check_int("ulysses_degree", self.ulysses_degree, lo=1, allow_none=True)
@@ -320,6 +362,28 @@ class ParallelConfig(_ConfigMixin):
         larger; 1 = one process can run this config."""
         seq = self.sequence_degree or (self.ulysses_degree or 1) * (self.ring_degree or 1)
         return max(self.cfg_degree * self.tp_degree * seq, self.fsdp_degree, self.world_size or 1)
+
+    def _check_layout(self) -> None:
+        _check_choice("layout", self.layout, LAYOUTS)
+        if self.device_memory is not None:
+            object.__setattr__(self, "device_memory", parse_bytes(self.device_memory, "device_memory"))
+        if self.layout_shape is not None:
+            shp = self.layout_shape
+            if (not isinstance(shp, (tuple, list)) or len(shp) != 3
+                    or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in shp)):
+                raise ConfigError(f"layout_shape must be None or three positive ints (num_frames, height, width), "
+                                  f"got {shp!r}")
+            object.__setattr__(self, "layout_shape", tuple(shp))
+        if self.layout == "manual":
+            for name in ("device_memory", "layout_shape"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"{name} applies to layout='auto' only; set layout='auto' or drop {name}")
+            return
+        chosen = {n: getattr(self, n) for n in AUTO_LAYOUT_DEGREES if hasattr(self, n)}
+        fixed = {n: v for n, v in chosen.items() if v not in (None, 1)}
+        if fixed:
+            raise ConfigError(f"layout='auto' chooses {sorted(chosen)} itself, but {fixed} is set; drop "
+                              f"{'it' if len(fixed) == 1 else 'them'} or use layout='manual'")
 
     def resolve(self, world_size: int) -> tuple[int, int]:
         """Return (cfg_degree, sequence_degree) for ``world_size`` or raise listing valid choices."""

@@ -114,10 +114,10 @@ def wan_transformer_fsdp(mesh, *, heads=3, i2v=True, grid=(3, 3, 5)):
 
 def wan_transformer_tp(mesh, *, heads=4, i2v=True, grid=(3, 3, 5)):
     """Wan I2V transformer under tp 2 (x Ulysses when the world allows): parity, local Linear bytes, local
-    head counts (restored by unparallelize)."""
+    head counts (restored by unboost, which unparallelizes first)."""
     import lite_boost
     from lite_boost.demo import tiny_wan_transformer
-    from lite_boost.parallel import ParallelManager, unparallelize
+    from lite_boost.parallel import ParallelManager
 
     spec = _wan_spec(heads, i2v)
     x, ctx, kw = _wan_inputs(i2v, grid)
@@ -132,34 +132,42 @@ def wan_transformer_tp(mesh, *, heads=4, i2v=True, grid=(3, 3, 5)):
     with torch.no_grad():
         refs = [ref_model(x, t, ctx, **kw).sample for t in steps]
         out["diffs"] = [_diff(model(x, t, ctx, **kw).sample, r) for t, r in zip(steps, refs)]
-    unparallelize(model)
+    lite_boost.unboost(model)  # unparallelizes first: full weights, global head counts, stock processors
     out["heads_after"] = (model.blocks[0].attn1.heads, attn.heads)
+    out["unboosted_plain"] = all(type(p) is torch.nn.Parameter for p in model.parameters())
     with torch.no_grad():
         out["unsharded_diff"] = _diff(model(x, steps[0], ctx, **kw).sample, refs[0])
     out["ref_abs"] = refs[0].abs().max().item()
     return out
 
 
-def wan_pipeline(mesh, parallel, *, heads=3, two_stage=True):
-    """Wan2.2 two-stage T2V pipeline (two experts, text encoder) under ``parallel``: parity, local bytes."""
+def wan_pipeline(mesh, parallel, *, heads=3, two_stage=True, extra=None):
+    """Wan2.2 two-stage T2V pipeline (two experts, text encoder) under ``parallel`` (and ``extra`` boost options:
+    a step cache, sparse attention, applied to the reference too): parity, local bytes, block work done."""
     import lite_boost
+    from lite_boost.cache import count_block_work
     from lite_boost.demo import TinyWanSpec, tiny_wan_pipeline
     from lite_boost.parallel import ParallelManager
 
     from conftest import pipeline_kwargs
 
+    extra = extra or {}
     spec = TinyWanSpec(heads=heads, head_dim=24)
-    call = dict(height=32, width=80, num_frames=5, steps=2)
-    ref_pipe = lite_boost.boost(tiny_wan_pipeline("t2v", spec=spec, two_stage=two_stage))
-    ref = ref_pipe(**pipeline_kwargs("t2v", **call)).frames
+    call = dict(height=48, width=80, num_frames=9, steps=4) if extra else dict(height=32, width=80, num_frames=5, steps=2)
+    ref_pipe = lite_boost.boost(tiny_wan_pipeline("t2v", spec=spec, two_stage=two_stage), extra)
+    with count_block_work([ref_pipe.transformer, ref_pipe.transformer_2]) as ref_work:
+        ref = ref_pipe(**pipeline_kwargs("t2v", **call)).frames
     pipe = tiny_wan_pipeline("t2v", spec=spec, two_stage=two_stage)
     mods = {"transformer": pipe.transformer, "transformer_2": pipe.transformer_2, "text_encoder": pipe.text_encoder}
     full = {k: _bytes(m) for k, m in mods.items() if m is not None}
-    ParallelManager(pipe, {"parallel": dict(parallel, timeout_s=TIMEOUT_S)}, mesh=mesh)
+    ParallelManager(pipe, dict(extra, parallel=dict(parallel, timeout_s=TIMEOUT_S)), mesh=mesh)
     out = {"full": full, "dtensor": {k: _dtensor_bytes(m) for k, m in mods.items() if m is not None}}
-    got = pipe(**pipeline_kwargs("t2v", **call)).frames
+    with count_block_work([pipe.transformer, pipe.transformer_2]) as work:
+        got = pipe(**pipeline_kwargs("t2v", **call)).frames
     out["diff"] = _diff(got, ref)
     out["ref_abs"] = ref.abs().max().item()
+    out["ref_work"] = (ref_work.calls, ref_work.ffn_runs)
+    out["work"] = (work.calls, work.ffn_runs)
     return out
 
 
@@ -183,13 +191,36 @@ def qwen_pipeline(mesh, parallel, *, heads=4):
     return out
 
 
+def flux_transformer_tp(mesh, *, heads=4):
+    """Flux.1 transformer (dual- and single-stream blocks; diffusers' _tp_plan with its packed row-wise
+    single-block projection) under tp 2: parity."""
+    import lite_boost
+    from lite_boost.parallel import ParallelManager
+
+    import _tiny_flux as flux
+
+    spec = flux.TinyFluxSpec(heads=heads)
+    inputs = flux.transformer_inputs(spec)
+    ref_model = lite_boost.boost(flux.transformer(spec))
+    model = ParallelManager(flux.transformer(spec), {"parallel": {"tp_degree": 2, "timeout_s": TIMEOUT_S}}, mesh=mesh)
+    with torch.no_grad():
+        ref = ref_model(**inputs).sample
+        got = model(**inputs).sample
+    return {"diff": _diff(got, ref), "ref_abs": ref.abs().max().item(), "dtensor": _dtensor_bytes(model),
+            "heads": model.single_transformer_blocks[0].attn.heads}
+
+
 CASES = {
     # world 2
     "wan_i2v_fsdp2_ulysses2": ({"fsdp_degree": 2}, lambda mesh: wan_transformer_fsdp(mesh)),
     "wan_i2v_tp2": ({"tp_degree": 2}, lambda mesh: wan_transformer_tp(mesh)),
-    "wan22_cfg2_fsdp2": ({"cfg_degree": 2, "fsdp_degree": 2},
-                         lambda mesh: wan_pipeline(mesh, {"cfg_degree": 2, "fsdp_degree": 2})),
+    # a data-dependent step cache (each cfg rank decides for its branch) and block-sparse attention on top
+    "wan22_cfg2_fsdp2_fbc_sparse": ({"cfg_degree": 2, "fsdp_degree": 2}, lambda mesh: wan_pipeline(
+        mesh, {"cfg_degree": 2, "fsdp_degree": 2},
+        extra={"cache": "first_block_cache:threshold=0.3",
+               "sparse": {"sparse_type": "rf_v2", "sparsity": 0.8, "block_size": 4, "backend": "gather"}})),
     "qwen_tp2": ({"tp_degree": 2}, lambda mesh: qwen_pipeline(mesh, {"tp_degree": 2})),
+    "flux_tp2": ({"tp_degree": 2}, lambda mesh: flux_transformer_tp(mesh)),
     "qwen_cfg2_fsdp2": ({"cfg_degree": 2, "fsdp_degree": 2},
                         lambda mesh: qwen_pipeline(mesh, {"cfg_degree": 2, "fsdp_degree": 2})),
     # world 4

@@ -179,3 +179,101 @@ def test_generic_pipeline_refusal_names_the_class():
     with pytest.raises(UnsupportedModelError, match="AllegroTransformer3DModel.*dispatch_attention_fn"):
         lite_boost.boost(model)
     assert isinstance(model, AllegroTransformer3DModel) and getattr(model, "_lite_boost", None) is None
+
+
+# ------------------------------------------------------------------ block-sparse over the latent grid
+SPARSE = {"sparse": {"sparsity": 0.5, "block_size": 16, "backend": "gather"}}
+
+
+@torch.no_grad()
+def test_generic_sparse_runs_on_the_grid_self_attention_only():
+    stock, model = _pair()
+    dense = lite_boost.boost(copy.deepcopy(stock), {"sparse": {"sparsity": 0.0, "block_size": 16}})
+    ref = _first(stock(**inputs(GEN)))
+    assert (_first(dense(**inputs(GEN))) - ref).abs().max().item() <= TOL  # sparsity 0 keeps every block
+    lite_boost.boost(model, SPARSE)
+    out = _first(model(**inputs(GEN)))
+    events = model._lite_boost.extras["sparse"].events
+    # one event per block's self-attention (the grid: 2 x 8 x 8 tokens); cross-attention never enters
+    assert [(e.layer, e.path) for e in events] == [(0, "sparse"), (1, "sparse")]
+    assert all(e.effective_sparsity > 0 for e in events)
+    assert 0 < (out - ref).abs().max().item() < 0.5 * ref.abs().max().item()
+    lite_boost.unboost(model)
+    assert (_first(model(**inputs(GEN))) - ref).abs().max().item() <= TOL
+
+
+@torch.no_grad()
+def test_generic_sparse_compile_clean_and_regional_compile_equals_eager():
+    stock, model = _pair()
+    lite_boost.boost(model, SPARSE)
+    x = inputs(GEN)
+    eager = _first(model(**x))
+    try:
+        report = torch._dynamo.explain(model)(**x)
+        assert report.graph_break_count == 0 and report.graph_count == 1, report.break_reasons
+        torch._dynamo.reset()
+        model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+        assert (_first(model(**x)) - eager).abs().max().item() <= TOL
+        assert model._lite_boost.extras["sparse"].events[-1].path == "sparse"
+    finally:
+        torch._dynamo.reset()
+
+
+@torch.no_grad()
+def test_generic_sparse_refuses_unknown_layouts():
+    from lite_boost.config import ConfigError
+
+    # Flux.2 packs its latents as (B, S, C) and attends text and image tokens jointly: no grid to read
+    model = lite_boost.boost(build("Flux2Transformer2DModel"), SPARSE)
+    with pytest.raises(ConfigError, match="Flux2Transformer2DModel.*latent token grid.*packed"):
+        model(**inputs("Flux2Transformer2DModel"))
+    # a cache that skips single attention layers would shift the grid calls' order: refused before any change
+    other = build(GEN)
+    with pytest.raises(ConfigError, match="pyramid_attention_broadcast.*sparse"):
+        lite_boost.boost(other, {**SPARSE, "cache": {"method": "pyramid_attention_broadcast"}})
+    assert getattr(other, "_lite_boost", None) is None
+
+
+# ------------------------------------------------------------------ discoverable: lite-boost models / generate
+def test_models_lists_every_installed_transformer_class():
+    from lite_boost.adapter.generic import installed_transformer_classes
+    from lite_boost.cli import installed_classes_report
+
+    report = installed_classes_report()
+    classes = installed_transformer_classes()
+    assert len(classes) >= 60
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in report.splitlines() if line.startswith("| ")}
+    assert set(classes) <= set(rows)
+    assert "| family wan |" in rows["WanTransformer3DModel"]
+    assert "| generic | yes |" in rows[GEN]
+    assert "| no |" in rows["AllegroTransformer3DModel"] and "dispatch_attention_fn" in rows["AllegroTransformer3DModel"]
+
+
+def _tiny_skyreels_pipeline():
+    from diffusers import SkyReelsV2Pipeline, SkyReelsV2Transformer3DModel, UniPCMultistepScheduler
+
+    from lite_boost.demo import tiny_wan_pipeline
+
+    wan = tiny_wan_pipeline("t2v")
+    torch.manual_seed(0)
+    transformer = SkyReelsV2Transformer3DModel(num_attention_heads=3, attention_head_dim=24, in_channels=16,
+                                               out_channels=16, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2,
+                                               rope_max_seq_len=64).eval()
+    return SkyReelsV2Pipeline(tokenizer=wan.tokenizer, text_encoder=wan.text_encoder, transformer=transformer,
+                              vae=wan.vae, scheduler=UniPCMultistepScheduler(flow_shift=3.0, prediction_type="flow_prediction",
+                                                                             use_flow_sigmas=True))
+
+
+def test_generate_model_runs_a_generic_pipeline(tmp_path, capsys):
+    import re
+
+    from lite_boost.cli import main
+
+    folder = tmp_path / "skyreels"
+    _tiny_skyreels_pipeline().save_pretrained(folder)
+    assert main(["generate", "--model", str(folder), "--height", "32", "--width", "32", "--num-frames", "5",
+                 "--steps", "2", "--warmup", "0", "--output", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert f"{folder} (SkyReelsV2Pipeline, the generic family)" in out
+    diff = float(re.search(r"max \|boosted - stock\| over the video \(values in \[0, 1\]\): (\S+)", out).group(1))
+    assert diff <= 1e-5

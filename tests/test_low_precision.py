@@ -241,3 +241,44 @@ def test_boosted_wan_int8_compiles_without_graph_breaks(int8_cpu, fresh_dynamo):
         assert report.graph_break_count == 0 and report.graph_count == 1, report.break_reasons
         compiled = torch.compile(model, backend="eager", fullgraph=True)(*args, return_dict=False)[0]
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_step_cache_composes_with_int8_attention(int8_cpu):
+    """First-block caching on a tiny Wan pipeline with int8 attention: the cache hooks decide per step as they do
+    at full precision, and the output stays near the full-precision cached output."""
+    from lite_boost.demo import TinyWanSpec, tiny_wan_pipeline
+
+    from conftest import pipeline_kwargs
+
+    outs, logs = {}, {}
+    for precision in ("auto", "int8"):
+        pipe = lite_boost.boost(tiny_wan_pipeline("t2v", spec=TinyWanSpec(heads=2, head_dim=32)),
+                                {"cache": "first_block_cache:threshold=0.14", "attention": {"precision": precision}})
+        outs[precision] = pipe(**pipeline_kwargs("t2v", height=32, width=48, num_frames=5, steps=3)).frames
+        logs[precision] = pipe.transformer._lite_boost.extras["cache"].decisions
+    assert len(logs["int8"]) == len(logs["auto"]) == 6
+    assert any(not d.compute for d in logs["int8"])  # some steps served from the cache
+    assert _cos(outs["int8"], outs["auto"]) > 0.99
+
+
+@torch.no_grad()
+def test_generic_path_int8_self_attention(int8_cpu):
+    """A model boosted on the generic path (diffusers' dispatch_attention_fn, no family code) takes the option too:
+    its self-attention runs the int8 kernel (dense and block-sparse), near the full-precision boost."""
+    import copy
+
+    from _diffusers_tiny import build, inputs
+
+    from lite_boost.adapter.generic import generic_context
+
+    name = "SkyReelsV2Transformer3DModel"
+    stock = build(name)
+    for extra in ({}, {"sparse": {"sparsity": 0.5, "block_size": 16, "backend": "cpp"}}):
+        full = lite_boost.boost(copy.deepcopy(stock), dict(extra))
+        low = lite_boost.boost(copy.deepcopy(stock), dict(extra, attention={"precision": "int8"}))
+        assert generic_context(low).self_attn_fn.precision == "int8"
+        a, b = full(**inputs(name)), low(**inputs(name))
+        a, b = (x.sample if hasattr(x, "sample") else x[0] for x in (a, b))
+        assert _cos(a, b) > 0.999 and not torch.equal(a, b)
+        if extra:
+            assert {e.backend for e in low._lite_boost.extras["sparse"].events} == {"cpp"}

@@ -3,8 +3,10 @@
 Parity (max abs diff <= 1e-5, fp32) on spawned gloo ranks: a Wan I2V transformer under fsdp 2 x Ulysses 2
 (with the next block's all-gather seen in flight when a block starts, a compiled run, and unparallelize
 bringing the full weights back), Wan I2V under tp 2 and tp 2 x Ulysses 2, a Wan2.2 two-expert pipeline
-under cfg 2 x fsdp 2 (both experts and the text encoder sharded), cfg 2 x Ulysses 2 x fsdp 2, and
-Qwen-Image (joint attention, diffusers' ``_tp_plan``) under tp 2 and cfg 2 x fsdp 2. Every rank's local
+under cfg 2 x fsdp 2 (both experts and the text encoder sharded, with a step cache and block-sparse attention), cfg 2 x
+Ulysses 2 x fsdp 2, and
+Qwen-Image (joint attention, diffusers' ``_tp_plan``) under tp 2 and cfg 2 x fsdp 2, Flux.1 under tp 2
+(its packed single-block projection). Every rank's local
 parameter bytes are checked against the sharded modules' sizes.
 """
 
@@ -19,7 +21,8 @@ from lite_boost.config import BoostConfig, ConfigError, ParallelConfig, parallel
 from lite_boost.parallel.groups import _mesh_ranks
 
 TOL = 1e-5
-CASES_2 = ["wan_i2v_fsdp2_ulysses2", "wan_i2v_tp2", "wan22_cfg2_fsdp2", "qwen_tp2", "qwen_cfg2_fsdp2"]
+CASES_2 = ["wan_i2v_fsdp2_ulysses2", "wan_i2v_tp2", "wan22_cfg2_fsdp2_fbc_sparse", "qwen_tp2", "qwen_cfg2_fsdp2",
+           "flux_tp2"]
 CASES_4 = ["wan_i2v_tp2_ulysses2", "wan_cfg2_ulysses2_fsdp2"]
 _RESULTS = {}
 
@@ -56,10 +59,14 @@ def test_fsdp_wan_transformer_parity_prefetch_compile_unshard():
     _halves([(r["dtensor_local"], r["dtensor_total"]) for r in results])
 
 
-def test_fsdp_two_experts_text_encoder_cfg2():
-    results = _each(2, "wan22_cfg2_fsdp2")
+def test_fsdp_two_experts_text_encoder_cfg2_cached_sparse():
+    results = _each(2, "wan22_cfg2_fsdp2_fbc_sparse")
     for r in results:
         assert r["ref_abs"] > 0.1 and r["diff"] <= TOL, r
+    # the cache skipped blocks in the reference, and the two cfg ranks together computed exactly those blocks
+    ref_calls, ref_ffn = results[0]["ref_work"]
+    assert 0 < ref_ffn < ref_calls, results[0]
+    assert sum(r["work"][1] for r in results) == ref_ffn, results
     for key in ("transformer", "transformer_2", "text_encoder"):
         _halves([r["dtensor"][key] for r in results])
         # the text encoder's tied input embedding stays whole; the rest is sharded
@@ -69,13 +76,13 @@ def test_fsdp_two_experts_text_encoder_cfg2():
 def test_tensor_parallel_wan_i2v():
     for r in _each(2, "wan_i2v_tp2"):
         assert r["ref_abs"] > 0.1 and max(r["diffs"]) <= TOL and r["unsharded_diff"] <= TOL, r
-        assert r["heads"] == (2, 2) and r["heads_after"] == (4, 4), r
+        assert r["heads"] == (2, 2) and r["heads_after"] == (4, 4) and r["unboosted_plain"], r
         assert r["q_local"] == (48, 96) and r["ffn_local"] == (96, 32), r  # 4 x 24 channels: rows / columns halved
     _halves([(r["dtensor_local"], r["dtensor_total"]) for r in _each(2, "wan_i2v_tp2")])
 
 
-@pytest.mark.parametrize("name", ["qwen_tp2", "qwen_cfg2_fsdp2"])
-def test_qwen_image_joint_attention(name):
+@pytest.mark.parametrize("name", ["qwen_tp2", "qwen_cfg2_fsdp2", "flux_tp2"])
+def test_joint_attention_families(name):
     results = _each(2, name)
     for r in results:
         assert r["ref_abs"] > 0.1 and r["diff"] <= TOL, r

@@ -10,6 +10,11 @@
 // prefetches ahead, see copy_rows_prefetched). Nothing of size S x S and no gathered copy of K/V exists;
 // fp16/bf16 go through MKL's 16-bit GEMMs in place (or are widened into small per-thread buffers where those are missing). Items are handed out dynamically (atomic counter) to
 // at::parallel_for's threads, because rows select different numbers of blocks.
+//
+// precision="int8" (see run_cpu's `lowp`): S = Q K^T on oneDNN's u8 x s8 brgemm from int8 K^T smoothed by its
+// per-head mean (per-KV-block scales, made once per (batch, KV head) in one fused pass) and u8 query rows (per-row
+// scales), the softmax in fp32, P V on the bf16 brgemm against a bf16 VNNI copy of V; the lse adds back the
+// smoothing's shift. Dense int8 attention is this kernel with every block selected.
 #include "vec_config.h"
 
 #include <ATen/ATen.h>
@@ -185,8 +190,45 @@ inline float dequant_row(const int32_t* si, const float* ksc, const float* kcs, 
 // (dp / 4, kt_ld, 4): the query side is u8 = s8 + 128, compensated per key by 128 * sum_d k8 (kcs, pre-multiplied
 // by the block scale). V is stored in bf16 VNNI layout (pairs of tokens), each KV block padded to an even length.
 struct Int8Head {
-  at::Tensor kq, ksc, kcs, kmean, vq;
+  std::vector<int8_t> kq;         // (dp / 4, kt_ld, 4)
+  std::vector<float> ksc, kcs;    // per key token: block scale, 128 * sum_d k8 * block scale
+  std::vector<float> kmean;       // (dp), zero past d
+  std::vector<at::BFloat16> vq;   // (blocks * bkp / 2, dv, 2)
+  bool has_mean = false;
 };
+
+// One query row -> u8 (s8 + 128, scale amax / 127; columns d..dp at 128); returns (scale, q . km).
+inline std::pair<float, float> quantize_row(const float* qf, const float* km, uint8_t* q8, int64_t d, int64_t dp) {
+  float amax = 0.f, dot = 0.f;
+  int64_t c = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512 vmax = _mm512_setzero_ps(), vdot = _mm512_setzero_ps();
+  for (; c + 16 <= d; c += 16) {
+    const __m512 x = _mm512_loadu_ps(qf + c);
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(x));
+    vdot = _mm512_fmadd_ps(x, _mm512_loadu_ps(km + c), vdot);
+  }
+  amax = _mm512_reduce_max_ps(vmax);
+  dot = _mm512_reduce_add_ps(vdot);
+#endif
+  for (; c < d; ++c) {
+    amax = std::max(amax, std::abs(qf[c]));
+    dot += qf[c] * km[c];
+  }
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  c = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const __m512i off = _mm512_set1_epi32(128);
+  for (; c + 16 <= d; c += 16) {  // round to nearest even (MXCSR default), as std::nearbyint
+    const __m512i qi = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qf + c), vinv)), off);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + c), _mm512_cvtepi32_epi8(qi));
+  }
+#endif
+  for (; c < d; ++c) q8[c] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(qf[c] * inv)) + 128);
+  for (c = d; c < dp; ++c) q8[c] = 128;
+  return {amax / 127.f, dot};
+}
 
 template <typename T>
 void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -295,9 +337,12 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
     kt_cur = kt_buf.const_data_ptr<float>();
   }
   if (lowp) {
-    ih.kq = at::zeros({dp / 4, kt_ld, 4}, key.options().dtype(at::kChar));
-    ih.ksc = at::empty({kt_ld}, key.options().dtype(at::kFloat));
-    ih.kcs = at::empty({kt_ld}, key.options().dtype(at::kFloat));
+    const int64_t nb_max = (kt_ld + bk - 1) / bk;
+    ih.kq.assign(dp * kt_ld, 0);
+    ih.ksc.resize(kt_ld);
+    ih.kcs.resize(kt_ld);
+    ih.kmean.assign(dp, 0.f);
+    if (pv16) ih.vq.assign(nb_max * bkp * dv, at::BFloat16(0.f));
   }
   auto fill_kt = [&](int64_t b, int64_t kvh) {
     const int64_t n = p.kv_lens[b];
@@ -308,35 +353,79 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
       return;
     }
     if (n == 0) {
-      ih.kmean = at::Tensor();
+      ih.has_mean = false;
       return;
     }
+    // (1) mean over the tokens, per channel: partial sums over token chunks, then their sum
     const int64_t nb = (n + bk - 1) / bk;
-    at::Tensor kf = at::zeros({nb * bk, dp}, key.options().dtype(at::kFloat));
-    kf.narrow(0, 0, n).narrow(1, 0, d).copy_(rows);
-    ih.kmean = kf.narrow(0, 0, n).mean(0);  // (dp), zero in the padding columns
-    kf.narrow(0, 0, n).sub_(ih.kmean);
-    at::Tensor amax = kf.view({nb, bk * dp}).abs().amax(1);
-    at::Tensor bscale = at::where(amax > 0, amax / 127.f, at::ones_like(amax));  // (nb)
-    at::Tensor k8 = kf.view({nb, bk, dp}).div_(bscale.view({nb, 1, 1})).round_().clamp_(-127, 127)
-                        .to(at::kChar).view({nb * bk, dp}).narrow(0, 0, n);
-    at::Tensor ksc = bscale.repeat_interleave(bk).narrow(0, 0, n);
-    ih.ksc.narrow(0, 0, n).copy_(ksc);
-    ih.kcs.narrow(0, 0, n).copy_(k8.sum(1, false, at::kInt).to(at::kFloat).mul_(128.f).mul_(ksc));
-    ih.kq.narrow(1, 0, n).copy_(k8.view({n, dp / 4, 4}).permute({1, 0, 2}));
-    if (pv16) {
-      const at::Tensor vrows = at::from_blob(const_cast<T*>(V.at(b, kvh, 0)), {n, dv}, {V.tok_stride, 1},
-                                             value.options());
-      at::Tensor vp = at::zeros({nb, bkp, dv}, value.options().dtype(at::kBFloat16));
-      at::Tensor vpad = at::zeros({nb * bk, dv}, value.options().dtype(at::kBFloat16));
-      vpad.narrow(0, 0, n).copy_(vrows);
-      vp.narrow(1, 0, bk).copy_(vpad.view({nb, bk, dv}));
-      ih.vq = vp.view({nb * bkp / 2, 2, dv}).permute({0, 2, 1}).contiguous();  // (tokens / 2, dv, 2)
+    const int64_t chunk = 512, nchunk = (n + chunk - 1) / chunk;
+    std::vector<float> part(nchunk * d, 0.f);
+    at::parallel_for(0, nchunk, 1, [&](int64_t c0, int64_t c1) {
+      std::vector<float> row(d);
+      for (int64_t ci = c0; ci < c1; ++ci) {
+        float* acc = part.data() + ci * d;
+        for (int64_t t = ci * chunk; t < std::min(n, (ci + 1) * chunk); ++t) {
+          widen(K.at(b, kvh, t), K.tok_stride, row.data(), d, 1, d);
+          for (int64_t c = 0; c < d; ++c) acc[c] += row[c];
+        }
+      }
+    });
+    for (int64_t c = 0; c < d; ++c) {
+      double sum = 0.0;
+      for (int64_t ci = 0; ci < nchunk; ++ci) sum += part[ci * d + c];
+      ih.kmean[c] = static_cast<float>(sum / static_cast<double>(n));
     }
+    ih.has_mean = true;
+    // (2) per KV block: scale of K - mean, int8 values into the VNNI K^T layout, per-token compensation; V of the
+    // block into the bf16 VNNI layout (pairs of tokens; an odd block's last pair padded with zero)
+    const float* km = ih.kmean.data();
+    at::parallel_for(0, nb, 1, [&](int64_t j0, int64_t j1) {
+      std::vector<float> rows(bk * d), vrow(dv);
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t t0 = j * bk, len = std::min(bk, n - t0);
+        float amax = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          float* r = rows.data() + t * d;
+          widen(K.at(b, kvh, t0 + t), K.tok_stride, r, d, 1, d);
+          for (int64_t c = 0; c < d; ++c) {
+            r[c] -= km[c];
+            amax = std::max(amax, std::abs(r[c]));
+          }
+        }
+        const float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
+        for (int64_t t = 0; t < len; ++t) {
+          const float* r = rows.data() + t * d;
+          int32_t sum = 0;
+          for (int64_t c4 = 0; c4 < dp; c4 += 4) {
+            int8_t v4[4] = {0, 0, 0, 0};
+            for (int64_t e = 0; e < 4 && c4 + e < d; ++e) {
+              const int32_t qv = std::clamp(static_cast<int32_t>(std::nearbyint(r[c4 + e] * inv)), -127, 127);
+              v4[e] = static_cast<int8_t>(qv);
+              sum += qv;
+            }
+            std::memcpy(ih.kq.data() + (c4 / 4) * kt_ld * 4 + (t0 + t) * 4, v4, 4);
+          }
+          ih.ksc[t0 + t] = scale;
+          ih.kcs[t0 + t] = 128.f * static_cast<float>(sum) * scale;
+        }
+        if (pv16) {
+          at::BFloat16* vb = ih.vq.data() + j * bkp * dv;  // token pair p of this block: vb + p * dv * 2
+          for (int64_t t = 0; t < len; ++t) {
+            widen(V.at(b, kvh, t0 + t), V.tok_stride, vrow.data(), dv, 1, dv);
+            at::BFloat16* dst = vb + (t / 2) * dv * 2 + (t % 2);
+            for (int64_t c = 0; c < dv; ++c) dst[c * 2] = at::BFloat16(vrow[c]);
+          }
+          if (len % 2) {
+            at::BFloat16* dst = vb + (len / 2) * dv * 2 + 1;
+            for (int64_t c = 0; c < dv; ++c) dst[c * 2] = at::BFloat16(0.f);
+          }
+        }
+      }
+    });
   };
-  const int8_t* kq_ptr = lowp ? ih.kq.const_data_ptr<int8_t>() : nullptr;
-  const float* ksc_ptr = lowp ? ih.ksc.const_data_ptr<float>() : nullptr;
-  const float* kcs_ptr = lowp ? ih.kcs.const_data_ptr<float>() : nullptr;
+  const int8_t* kq_ptr = lowp ? ih.kq.data() : nullptr;
+  const float* ksc_ptr = lowp ? ih.ksc.data() : nullptr;
+  const float* kcs_ptr = lowp ? ih.kcs.data() : nullptr;
   std::atomic<int64_t> next{0};
   // the work items [lo, hi), handed out dynamically to ATen's threads
   auto run_items = [&](int64_t lo, int64_t hi) {
@@ -484,6 +573,19 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
             Vec vsum(0.f);
             const Vec vm(-m_new), vsc(sc);
             int64_t c = 0;
+            // int8 mode with bf16 P V: P goes straight to its bf16 row (AVX512-BF16), else through the fp32 row
+            at::BFloat16* p16row = lowp && pv16 ? w.p16.data() + r * kn : nullptr;
+            int64_t conv_from = 0;  // P's columns [conv_from, kn) still to be converted to bf16
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+            if (p16row) {
+              for (; c + Vec::size() <= kn; c += Vec::size()) {
+                Vec x = at::vec::fmadd(Vec::loadu(sr + c), vsc, vm).exp_u20();
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16row + c), (__m256i)_mm512_cvtneps_pbh(__m512(x)));
+                vsum = vsum + x;
+              }
+              conv_from = c;
+            }
+#endif
             for (; c + Vec::size() <= kn; c += Vec::size()) {
               Vec x = at::vec::fmadd(Vec::loadu(sr + c), vsc, vm).exp_u20();
               x.store(sr + c);
@@ -494,7 +596,7 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
               sr[c] = std::exp(sr[c] * sc - m_new);
               sum += sr[c];
             }
-            if (lowp && pv16) from_float(sr, w.p16.data() + r * kn, kn);  // P row in bf16 while it is in L1
+            if (p16row) from_float(sr + conv_from, p16row + conv_from, kn - conv_from);  // the rest, while in L1
             const float corr = first ? 0.f : std::exp(m_old - m_new);
             lrow[r] = lrow[r] * corr + sum;
             mrow[r] = m_new;
@@ -507,7 +609,7 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
           if (lowp && pv16) {
             // P in bf16 against the head's bf16 VNNI V: one brgemm per run of consecutive blocks where blocks
             // have an even token count (the padded layout is then contiguous), else one per block
-            const at::BFloat16* vq = ih.vq.const_data_ptr<at::BFloat16>();
+            const at::BFloat16* vq = ih.vq.data();
             for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
               if (bkp == bk) {
                 at::native::cpublas::brgemm(rows, dv, seg_len[sg], kn, dv, dv, !(first && sg == 0), w.p16.data() + off,
@@ -568,23 +670,10 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
         int64_t ldq = 0;
         if (lowp) {
           // u8 query rows (s8 + 128, one scale per row), and q . mean(K) for the lse
-          const float* km = ih.kmean.defined() ? ih.kmean.const_data_ptr<float>() : nullptr;
           for (int64_t r = 0; r < rows_all; ++r) {
             float* qf = w.q.data();
             widen(Q.at(b, h, tok0 + r), Q.tok_stride, qf, d, 1, d);
-            float amax = 0.f, dot = 0.f;
-            for (int64_t c = 0; c < d; ++c) {
-              amax = std::max(amax, std::abs(qf[c]));
-              if (km) dot += qf[c] * km[c];
-            }
-            const float inv = amax > 0.f ? 127.f / amax : 0.f;
-            uint8_t* q8 = w.q8.data() + r * dp;
-            for (int64_t c = 0; c < d; ++c) {
-              q8[c] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(qf[c] * inv)) + 128);
-            }
-            for (int64_t c = d; c < dp; ++c) q8[c] = 128;
-            w.qs[r] = amax / 127.f;
-            w.qm[r] = dot;
+            std::tie(w.qs[r], w.qm[r]) = quantize_row(qf, ih.kmean.data(), w.q8.data() + r * dp, d, dp);
           }
         } else if constexpr (kF32) {
           q_all = Q.at(b, h, tok0);

@@ -121,6 +121,11 @@ class ModelFamily:
     notes: one line for ``lite-boost models`` (e.g. what runs on one rank).
     tensor_parallel: which Linear layers ``tp_degree`` splits (:class:`~lite_boost.parallel.shard.TensorParallelPlan`),
         or None: diffusers' ``_tp_plan`` of the model class when it has one, else no tensor parallelism.
+    reference: the released model the memory planner plans for by default (``lite-boost plan --family``,
+        ``ParallelConfig(layout="auto")``): ``name``, ``transformer`` (config of the first transformer class;
+        omitted = the class defaults), ``text_encoder`` ((transformers class name, config) or omitted),
+        ``shape`` ((num_frames, height, width)), ``vae_scale`` ((t, h, w) down-sampling); see
+        :func:`lite_boost.memory.dims_for_family`.
     """
 
     name: str
@@ -140,6 +145,7 @@ class ModelFamily:
     unsupported: Mapping[str, str] = field(default_factory=dict)
     notes: str = ""
     tensor_parallel: Any = None
+    reference: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:

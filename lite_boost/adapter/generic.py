@@ -44,13 +44,13 @@ from ..ops.rope import RopeCache
 from ..parallel.plan import PipelinePlan
 from ..quant import check_uninstall_quant, install_quant, uninstall_quant
 from ..registry import UnsupportedModelError, family_of, lookup, register_fallback
-from .boost import STATE_ATTR, BoostState
+from .boost import STATE_ATTR, BoostState, check_attention_precision
 from .cache import install_cache, uninstall_cache
 from .family import FEATURES
-from .generic_sparse import install_generic_sparse, latent_grid, uninstall_generic_sparse
+from .generic_sparse import SPARSE_CACHE_METHODS, install_generic_sparse, latent_grid, uninstall_generic_sparse
 from .processor import DenseAttention
 
-__all__ = ["GENERIC", "GenericAttention", "GenericFamily", "attention_problem", "boost_generic", "class_problem",
+__all__ = ["GENERIC", "class_family", "GenericAttention", "GenericFamily", "attention_problem", "boost_generic", "class_problem",
            "generic_family", "generic_pipeline_family", "installed_transformer_classes", "repeated_block_patterns",
            "unboost_generic", "PIPELINE_TRANSFORMERS"]
 
@@ -297,10 +297,15 @@ class GenericFamily:
             raise ConfigError(f"{option} is not supported for {self.model_class} on lite_boost's generic path "
                               f"({self.features[feature]})")
 
-        if config.sparse is not None and config.sparse.sparse_type is not None and not self.supports("sparse"):
+        sparse = config.sparse is not None and config.sparse.sparse_type is not None
+        if sparse and not self.supports("sparse"):
             refuse("sparse (BoostConfig.sparse)", "sparse")
         if config.cache is not None and not self.supports("step_cache"):
             refuse("cache (BoostConfig.cache)", "step_cache")
+        if sparse and config.cache is not None and config.cache.method not in SPARSE_CACHE_METHODS:
+            raise ConfigError(f"cache method {config.cache.method!r} with sparse (BoostConfig.sparse) is not supported for "
+                              f"{self.model_class} on the generic path (it skips single attention layers, which "
+                              f"would shift the grid calls' layer order); with sparse use one of {list(SPARSE_CACHE_METHODS)}")
         if config.quant is not None and config.quant.include is None and not self.supports("quant"):
             refuse("quant (BoostConfig.quant) without include patterns", "quant")
 
@@ -343,6 +348,43 @@ def generic_family(model) -> GenericFamily:
              if others else "")
     return GenericFamily(model_class=type(model).__name__, dispatch_sites=len(ours), other_sites=tuple(others),
                          quant_patterns=patterns, patch=patch, cache=cache, unsupported=unsupported, notes=notes)
+
+
+def class_family(cls: type, pipeline_class: str | None = None) -> GenericFamily:
+    """The generic record of a transformer class, read from its code and config signature (no instance, no
+    weights): what ``lite-boost models`` lists and the CLI checks before loading a pipeline. The boost reads
+    the instance itself (:func:`generic_family`)."""
+    why = class_problem(cls)
+    if why is not None:
+        raise UnsupportedModelError(f"lite_boost cannot boost {cls.__name__}: {why}, and no model family is "
+                                    "registered for it")
+    from diffusers.models.cache_utils import CacheMixin
+
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        params = {}
+    unsupported = {
+        "sequence_parallel": "not on the generic path yet (no lite_boost sharding plan)",
+        "cfg_parallel": "no pipeline plan on the generic path",
+        "parallel_vae": "no parallel-VAE adapter on the generic path",
+    }
+    if "patch_size" not in params:
+        unsupported["sparse"] = "no patch size in the model config: the latent token grid is unknown"
+    if not getattr(cls, "_repeated_blocks", None):
+        unsupported["quant"] = "the model names no _repeated_blocks (pass QuantConfig(include=[...]))"
+    cache = None
+    if issubclass(cls, CacheMixin):
+        cache = CacheAdapter(methods=tuple(m for m in CACHE_METHODS if m != "sea_cache"),
+                             why_not={"sea_cache": "diffusers' SeaCache derives its indicator for Wan text-to-video "
+                                                   "and Cosmos only"})
+    else:
+        unsupported["step_cache"] = f"{cls.__name__} has no enable_cache (diffusers' CacheMixin)"
+    return GenericFamily(model_class=cls.__name__, cache=cache, unsupported=unsupported,
+                         pipelines=(pipeline_class,) if pipeline_class else (),
+                         quant_patterns=tuple(f"{b} blocks" for b in getattr(cls, "_repeated_blocks", None) or ()),
+                         notes="block hooks (first_block_cache, mag_cache) where diffusers' hooks know its blocks; "
+                               "sparse where its inputs are (B, C, [F,] H, W) latents (checked at boost / first call)")
 
 
 # ----------------------------------------------------------------------------------------------- #
@@ -458,6 +500,7 @@ CONTEXT_KEY = "generic"
 
 def _install_backend(model, state: BoostState) -> None:
     ctx = GenericAttention(type(model).__name__, state.config.attention_backend)
+    ctx.self_attn_fn.precision = state.config.attention.precision  # self-attention only, as on the family path
     name = ctx.register()
     originals: dict[int, tuple[object, object]] = {}
     for _, module in _attention_modules(model):
@@ -496,6 +539,7 @@ def boost_generic(model, config: BoostConfig | None = None):
     config = BoostConfig.coerce(config)
     family = generic_family(model)
     family.check_config(config, model)
+    check_attention_precision(config, model)
     state = getattr(model, STATE_ATTR, None)
     if state is not None:
         if state.config == config and isinstance(state.family, GenericFamily):

@@ -15,9 +15,10 @@ sequence, several streams) is refused with a ConfigError naming it after its fir
 
 The grid calls are numbered in call order within each transformer call (the layer index of the
 schedule's ``dense_layers`` and of the block-mask reuse); the schedule, the mask reuse and the kernel
-are :class:`~lite_boost.adapter.sparse.ScheduledSparseAttention`'s. Under ``torch.compile`` the step
-tracking and each grid call are opaque custom ops (``torch.ops.lite_boost_graph.generic_*``), so no
-decision becomes a graph break or a guard.
+are :class:`~lite_boost.adapter.sparse.ScheduledSparseAttention`'s. The start of a transformer call (step
+tracking, which reads the timestep's value, and the reset of the call order) is a forward pre-hook that
+``torch.compile`` leaves eager; under ``torch.compile`` each grid call is an opaque custom op
+(``torch.ops.lite_boost_graph.generic_sparse_attention``), so no decision becomes a graph break or a guard.
 """
 
 from __future__ import annotations
@@ -88,39 +89,22 @@ class GenericSparse:
                             "dense", self.model_class, sorted(self.other_lengths))
             return
         grid = self.state.grid
+        seen = f"its self-attention ran over {sorted(self.other_lengths)} tokens" if self.other_lengths else \
+            "it ran no self-attention"
+        where = (f"the latent grid {grid} has {math.prod(grid)} tokens and {seen} (text concatenated into the "
+                 "sequence, or several streams)" if grid else
+                 f"its hidden_states give no latent grid (packed (B, S, C) tokens, or sizes the patch size does not "
+                 f"divide); {seen}")
         raise ConfigError(
-            f"block-sparse attention (BoostConfig.sparse) needs self-attention over exactly the latent token grid, "
-            f"and none of {self.model_class}'s self-attention calls is: the grid {grid} has "
-            f"{math.prod(grid) if grid else 'no'} tokens, its self-attention ran over "
-            f"{sorted(self.other_lengths) or 'no'} tokens (text concatenated into the sequence, or several streams). "
-            "Boost it without sparse, or declare its layout in a model family (lite_boost.adapter.ModelFamily "
-            "with token_grid)")
+            f"block-sparse attention (BoostConfig.sparse) is not supported for {self.model_class} on the generic "
+            f"path: it needs self-attention over exactly the latent token grid, and {where}. Boost it without "
+            "sparse, or declare its layout in a model family (lite_boost.adapter.ModelFamily with token_grid)")
 
     def pre_forward(self, module, args, kwargs):
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
-        grid = latent_grid(self.patch, hidden)
-        timestep = kwargs.get("timestep")
-        index = self.state.timestep_index
-        if timestep is None and index is not None and len(args) > index:
-            timestep = args[index]
-        if not torch.compiler.is_compiling():
-            self.start_call(grid, timestep)
-            return None
-        # Traced: the grid is a constant of the graph; the step tracking runs in an opaque op on the
-        # hidden states' path into the blocks, so it runs before every grid call of this transformer call.
-        self.state.grid = grid
-        if not isinstance(hidden, torch.Tensor):
-            return None
-        t = timestep if isinstance(timestep, torch.Tensor) else hidden.new_zeros(())
-        hidden = torch.ops.lite_boost_graph.generic_sparse_observe(hidden, t, self.state.handle, list(grid or ()))
-        if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": hidden}
-        return (hidden,) + tuple(args[1:]), kwargs
+        return _pre_forward(self, args, kwargs)
 
     def post_forward(self, module, args, kwargs, output):
-        if not torch.compiler.is_compiling() and self.transformer_calls == 1:
-            self.check_layout()
-        return None
+        _post_forward(self)
 
     # -------------------------------------------------------------- per attention call
     def __call__(self, q, k, v, dense_fn):
@@ -142,6 +126,24 @@ class GenericSparse:
         if layer is None:
             layer = self.state.layers[index] = ScheduledSparseAttention(index, self.state, dense_fn or self.context.self_attn_fn)
         return layer.run(q, k, v)
+
+
+@torch.compiler.disable
+def _pre_forward(sparse: GenericSparse, args, kwargs):
+    """Start of a transformer call (always eager: it reads the timestep's value and resets the call order)."""
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    timestep = kwargs.get("timestep")
+    index = sparse.state.timestep_index
+    if timestep is None and index is not None and len(args) > index:
+        timestep = args[index]
+    sparse.start_call(latent_grid(sparse.patch, hidden), timestep)
+
+
+@torch.compiler.disable
+def _post_forward(sparse: GenericSparse) -> None:
+    """End of a transformer call (eager): after the first one, check that the layout was the grid's."""
+    if sparse.transformer_calls == 1:
+        sparse.check_layout()
 
 
 def install_generic_sparse(model, boost_state, ctx) -> None:
@@ -182,17 +184,6 @@ def _generic(handle: int) -> GenericSparse:
         raise RuntimeError(f"lite_boost generic sparse attention: no boosted model with handle {int(handle)} "
                            "(the model was unboosted or freed after this graph was compiled)")
     return state.generic
-
-
-@torch.library.custom_op("lite_boost_graph::generic_sparse_observe", mutates_args=())
-def _observe_op(hidden: torch.Tensor, timestep: torch.Tensor, handle: int, grid: list[int]) -> torch.Tensor:
-    _generic(handle).start_call(tuple(grid) if grid else None, timestep)
-    return hidden.clone()
-
-
-@_observe_op.register_fake
-def _(hidden, timestep, handle, grid):
-    return torch.empty_like(hidden)
 
 
 @torch.library.custom_op("lite_boost_graph::generic_sparse_attention", mutates_args=())

@@ -249,6 +249,11 @@ WAN = register_family(ModelFamily(
     cache=WAN_CACHE_ADAPTER,
     quant_patterns=("blocks.*",),
     notes="text (512 tokens) and the I2V image context enter through cross-attention, local on every rank",
+    # Wan2.1-T2V-14B (diffusers' WanTransformer3DModel defaults) with its UMT5-XXL text encoder
+    reference={"name": "Wan2.1-T2V-14B", "shape": (81, 480, 832), "vae_scale": (4, 8, 8),
+               "text_encoder": ("UMT5EncoderModel", dict(d_model=4096, d_ff=10240, num_layers=24, num_heads=64,
+                                                         d_kv=64, vocab_size=256384, feed_forward_proj="gated-gelu",
+                                                         relative_attention_num_buckets=32))},
 ))
 
 boost_wan_transformer = WAN.boost_transformer

@@ -506,6 +506,52 @@ def _wrap_decision(fn):
     return torch.compiler.disable(fn)
 
 
+def mag_calibration_spec(ratios_by_branch: Mapping[str | None, list[float]], steps: int) -> str:
+    """The ``mag_cache`` spec to paste (``--cache`` / ``{"cache": ...}``) from calibrated ratios of each CFG branch:
+    MagCacheConfig takes one list for every branch, so the branches' ratios are averaged step by step."""
+    lists = [list(r) for r in ratios_by_branch.values() if r]
+    n = min(len(r) for r in lists)
+    mean = [sum(r[i] for r in lists) / len(lists) for i in range(n)]
+    return f"mag_cache:num_inference_steps={steps},mag_ratios=" + "/".join(f"{x:.4f}".rstrip("0").rstrip(".")
+                                                                         for x in mean)
+
+
+class MagCalibration:
+    """Replacement of a MagCache tail hook's ``_advance_step`` in calibration mode (per instance).
+
+    diffusers prints each branch's ratio list at the end of a calibrated run (two lists with CFG, neither
+    usable as typed). This keeps diffusers' step logic, takes each branch's ratios before diffusers resets
+    them, and prints ONE line once every branch has finished: the ``mag_cache`` spec to paste.
+    ``spec`` holds the last such line's spec (None before the first calibrated run ends).
+    """
+
+    def __init__(self, hook):
+        self.hook = hook
+        self.original = type(hook)._advance_step.__get__(hook)
+        self.done: dict = {}
+        self.spec: str | None = None
+
+    def __call__(self, state):
+        import contextlib
+        import io
+
+        cfg = self.hook.config
+        if not cfg.calibrate or state.step_index + 1 < cfg.num_inference_steps:
+            return self.original(state)
+        ctx = self.hook.state_manager._context
+        self.done[None if ctx is None else ctx.name] = list(state.calibration_ratios)
+        with contextlib.redirect_stdout(io.StringIO()):  # diffusers' own two-line print per branch
+            out = self.original(state)
+        if len(self.done) >= len(self.hook.state_manager._state_cache):
+            self.spec = mag_calibration_spec(self.done, cfg.num_inference_steps)
+            branches = [n for n in self.done if n is not None]
+            print(f"MagCache calibrated over {cfg.num_inference_steps} steps"
+                  + (f" (mean of the {' / '.join(branches)} branches)" if len(branches) > 1 else "")
+                  + f"; paste: {self.spec}", flush=True)
+            self.done = {}
+        return out
+
+
 _PROBE_HOOK = "lite_boost_cache_context"
 
 
@@ -557,6 +603,7 @@ class CacheRuntime:
         self._last: dict = {}
         self._handle = None
         self.decision_makers: list[FirstBlockDecision] = []
+        self.mag_calibration: MagCalibration | None = None  # MagCache with calibrate=True
         self._probe = None
 
     # -- lifecycle
@@ -575,6 +622,10 @@ class CacheRuntime:
                 dec = FirstBlockDecision(hook, self.decisions)
                 hook._should_compute_remaining_blocks = _wrap_decision(dec)
                 self.decision_makers.append(dec)
+            elif getattr(hook, "is_tail", False) and getattr(getattr(hook, "config", None), "calibrate", False) \
+                    and type(hook).__name__ == "MagCacheBlockHook":
+                self.mag_calibration = MagCalibration(hook)
+                hook._advance_step = self.mag_calibration
         return self
 
     def detach(self) -> None:
@@ -590,6 +641,9 @@ class CacheRuntime:
         for dec in self.decision_makers:
             dec.hook.__dict__.pop("_should_compute_remaining_blocks", None)
         self.decision_makers.clear()
+        if self.mag_calibration is not None:
+            self.mag_calibration.hook.__dict__.pop("_advance_step", None)
+            self.mag_calibration = None
 
     @property
     def first_block_decisions(self) -> list[FirstBlockDecision]:

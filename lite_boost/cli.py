@@ -16,13 +16,15 @@ import argparse
 import inspect
 import json
 import logging
+import math
 import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-__all__ = ["main", "build_parser", "write_video", "write_image", "models_report", "detect_family",
+__all__ = ["main", "build_parser", "write_video", "write_image", "models_report", "installed_classes_report", "detect_family",
            "family_for_pipeline_class", "resolve_family", "check_family_options"]
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -141,7 +143,45 @@ def models_report() -> str:
         notes.append(f"- {d['family']}: step caches {', '.join(d['cache_methods']) or 'none'}; default quantized "
                      f"modules {', '.join(d['quant_patterns']) or 'none'}"
                      + (f"; not supported: {'; '.join(why)}" if why else "") + (f"; {d['notes']}" if d["notes"] else ""))
-    return "\n".join(lines + [""] + notes)
+    return "\n".join(lines + [""] + notes + ["", installed_classes_report()])
+
+
+def installed_classes_report() -> str:
+    """Every transformer class of the installed diffusers: its path (a named family, lite_boost's generic path
+    through diffusers' attention dispatcher, or why neither) and the features it gets, read from the code."""
+    from lite_boost.adapter.family import FEATURES
+    from lite_boost.adapter.generic import class_family, installed_transformer_classes
+    from lite_boost.registry import SUPPORTED_MODELS, UnsupportedModelError, family_of, load_builtin_adapters
+
+    load_builtin_adapters()
+    classes = installed_transformer_classes()
+    lines = [f"## installed diffusers transformer classes ({len(classes)})", "",
+             "| class | path | " + " | ".join(FEATURES) + " | not supported |", "|---" * (3 + len(FEATURES)) + "|"]
+    counts = {"family": 0, "generic": 0, "no": 0}
+    always_off = {"sequence_parallel", "cfg_parallel", "parallel_vae"}  # the generic path has none of them yet
+    for name, cls in classes.items():
+        fn = SUPPORTED_MODELS.get(name)
+        fam = family_of(fn) if fn is not None else None
+        path = f"family {fam.name}" if fam is not None else None
+        if fam is None:
+            try:
+                fam, path = class_family(cls), "generic"
+            except UnsupportedModelError as exc:
+                counts["no"] += 1
+                lines.append(f"| {name} | no | " + " | ".join("no" for _ in FEATURES)
+                             + f" | {str(exc).split(': ', 1)[-1].split(', and no model family')[0]} |")
+                continue
+        counts["family" if path.startswith("family") else "generic"] += 1
+        feats = fam.features
+        shown = {f: r for f, r in feats.items() if r is not None and not (path == "generic" and f in always_off)}
+        lines.append(f"| {name} | {path} | " + " | ".join("yes" if feats[f] is None else "no" for f in FEATURES)
+                     + " | " + "; ".join(f"{f}: {r}" for f, r in shown.items()) + " |")
+    lines += ["", f"{counts['family']} by a named family, {counts['generic']} on the generic path, {counts['no']} not "
+              "boosted (read from the installed diffusers' code; `lite_boost.boost` checks each instance). The generic "
+              "path: lite_boost's attention backend in diffusers' dispatcher, quantization of the _repeated_blocks, "
+              "diffusers' step-cache hooks, block-sparse attention over the latent grid; not yet: "
+              + ", ".join(sorted(always_off)) + "."]
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------- #
@@ -416,10 +456,44 @@ def detect_family(model_dir: str | os.PathLike):
         raise SystemExit(f"lite-boost generate: --model {model_dir}: {index} names no pipeline class (_class_name)")
     family = family_for_pipeline_class(name)
     if family is None:
+        family = _generic_pipeline_family(model_dir, name, data)
+    return family, name
+
+
+def _generic_pipeline_family(model_dir, name: str, index: dict):
+    """The record of a pipeline no family registers, from the transformer class its model_index.json names:
+    that class's family, or lite_boost's generic path; SystemExit saying why when neither takes it."""
+    from lite_boost.adapter.generic import PIPELINE_TRANSFORMERS, class_family
+    from lite_boost.registry import SUPPORTED_MODELS, UnsupportedModelError, family_of, load_builtin_adapters
+
+    load_builtin_adapters()
+    entries = [index.get(a) for a in PIPELINE_TRANSFORMERS if isinstance(index.get(a), list) and index.get(a)[-1]]
+    if not entries:
         supported = [n for f in _registered_families().values() for n in f.pipelines]
         raise SystemExit(f"lite-boost generate: --model {model_dir} holds a {name}, which lite_boost does not "
-                         f"support; supported pipeline classes: {supported}")
-    return family, name
+                         f"support; supported pipeline classes: {supported}, and any pipeline whose transformer "
+                         f"({' / '.join(PIPELINE_TRANSFORMERS)} in model_index.json) a family or the generic path "
+                         "boosts (lite-boost models)")
+    import diffusers
+
+    records = []
+    for library, cls_name in entries:
+        fn = SUPPORTED_MODELS.get(cls_name)
+        if fn is not None and family_of(fn) is not None:
+            records.append(family_of(fn))
+            continue
+        cls = getattr(diffusers, cls_name, None) if library == "diffusers" else None
+        if cls is None:
+            raise SystemExit(f"lite-boost generate: --model {model_dir}: its transformer class {library}.{cls_name} "
+                             "is not a class of the installed diffusers")
+        try:
+            records.append(class_family(cls, pipeline_class=name))
+        except UnsupportedModelError as exc:
+            raise SystemExit(f"lite-boost generate: --model {model_dir} holds a {name}: {exc}") from None
+    if len(records) > 1 and any(r.name != records[0].name for r in records):
+        raise SystemExit(f"lite-boost generate: --model {model_dir} holds a {name} whose transformers take different "
+                         f"paths ({[r.name for r in records]}); boost it from Python (lite_boost.boost(pipe))")
+    return records[0]
 
 
 def resolve_family(args):
@@ -515,6 +589,11 @@ def check_family_options(family, class_name: str, args, config, world_size: int)
         if args.image is not None and "image" not in params:
             raise SystemExit(f"lite-boost generate: --image is not supported by {class_name}, which takes no "
                              "conditioning image")
+
+
+def rank_threads(threads: int | None, nproc: int) -> int:
+    """Torch threads per rank of an --nproc run: --threads as given (per process), else the CPU cores shared out."""
+    return threads if threads else max(1, (os.cpu_count() or 1) // max(1, nproc))
 
 
 def _torchrun_command(args, argv: list[str]) -> list[str]:
@@ -702,17 +781,107 @@ def _run(pipe, kw, device_type, warmup: int = 0, counter=None):
 
     from lite_boost.timing import PhaseTimer
 
+    from lite_boost.timing import _sync
+
     kw = dict(kw)
     seed = kw.pop("_seed")
+    warm = []
     for _ in range(warmup):
+        _sync(device_type)
+        t0 = time.perf_counter()
         with torch.inference_mode():
             pipe(**{**kw, "num_inference_steps": 1, "output_type": "latent",
                     "generator": torch.Generator(device="cpu").manual_seed(seed)})
+        _sync(device_type)
+        warm.append(time.perf_counter() - t0)
     kw["generator"] = torch.Generator(device="cpu").manual_seed(seed)
     with torch.inference_mode(), PhaseTimer(pipe, device_type) as timer, (counter or contextlib.nullcontext()):
         out = pipe(**kw, callback_on_step_end=timer.callback)
+    timer.times.warmup_s = warm
     frames = getattr(out, "frames", None)
     return (out.images if frames is None else frames), timer.times
+
+
+def one_off_lines(rows: dict, boost_s: float | None) -> list[str]:
+    """The one-off costs, kept out of the timing table: boost() itself and the untimed first calls."""
+    out = []
+    if boost_s is not None:
+        out.append(f"boost() itself: {boost_s:.2f} s (patching; quantizing weights when --quant is on)")
+    stock, boosted = rows.get("stock"), rows.get("boosted")
+    if boosted is not None and boosted.warmup_s:
+        first = f"first boosted call (1 step, untimed warm-up): {boosted.warmup_s[0]:.2f} s"
+        if stock is not None and stock.warmup_s:
+            extra = boosted.warmup_s[0] - stock.warmup_s[0]
+            first += (f" against stock's {stock.warmup_s[0]:.2f} s; the boosted excess ({extra:+.2f} s) includes its "
+                      "kernels' first use (C++ library load, compilation, the first sparse selection)")
+        out.append(first)
+    return out
+
+
+def _statistics_hint(decisions) -> str:
+    stats = sorted(d.statistic for d in decisions if d.statistic is not None)
+    if not stats:
+        return ""
+    mid = stats[len(stats) // 2]
+    return (f"; its statistic (relative change of the first block's output between steps) ranged {stats[0]:.3f} - "
+            f"{stats[-1]:.3f}, median {mid:.3f}: a threshold near {math.ceil(mid * 100) / 100:.2f} reuses about half "
+            "the calls (check the PSNR line)")
+
+
+def advice(pipe, config, work, rows: dict) -> list[str]:
+    """Where a feature cannot pay at this shape or these settings: say so and what to try."""
+    from lite_boost.config import SPARSE_BREAK_EVEN, SPARSE_BREAK_EVEN_MEASURED_UP_TO
+
+    notes = []
+    stock, boosted = rows.get("stock"), rows.get("boosted")
+    slower = stock is not None and boosted is not None and boosted.denoise_s >= stock.denoise_s
+    states = [getattr(m, "_lite_boost", None) for m in _transformers(pipe)]
+    sparse = [st.extras.get("sparse") for st in states if st is not None and st.extras.get("sparse") is not None]
+    if config.sparse is not None and config.sparse.sparse_type is not None and sparse:
+        events = [e for sp in sparse for e in sp.events if e.path == "sparse"]
+        grid = next((sp.grid for sp in sparse if sp.grid), None)
+        tokens = math.prod(grid) if grid else None
+        backend = next((e.backend for e in events if e.backend), None)
+        eff = sum(e.effective_sparsity for e in events) / len(events) if events else 0.0
+        measured = backend in SPARSE_BREAK_EVEN
+        even = SPARSE_BREAK_EVEN[backend] if measured else None
+        below = tokens is not None and measured and (even is None or tokens < even)
+        if not events:
+            kept = (f"at {tokens:,} tokens " if tokens is not None else "") + "every block is kept"
+            notes.append(f"block-sparse attention did not run: {kept} at sparsity {config.sparse.sparsity:g} (too few "
+                         "blocks of 128 tokens to skip any), so dense attention ran. Sparse pays from several thousand "
+                         "tokens per sequence: a longer video or a larger frame")
+        elif below or slower or eff < 0.3:
+            why = []
+            if tokens is not None:
+                why.append(f"{tokens:,} self-attention tokens")
+            if measured:
+                why.append((f"the {backend} kernel's measured break-even is about {even:,} tokens" if even else
+                            f"the {backend} kernel did not beat dense SDPA up to {SPARSE_BREAK_EVEN_MEASURED_UP_TO:,} "
+                            "tokens") + " at sparsity 0.8 on this CPU (benchmarks/results/sparse_break_even.md)")
+            if events:
+                why.append(f"effective sparsity {eff:.2f}: the forced text / first-frame / diagonal blocks are a large "
+                           "share of so few blocks")
+            verdict = ("cannot pay at this shape: the boosted loop was not faster" if slower else
+                       "is at or below its measured break-even at this shape, so its gain here is small or noise")
+            notes.append(f"block-sparse attention {verdict} (" + "; ".join(why) + "): selecting blocks and reordering "
+                         "tokens cost about what the skipped blocks save. Try --sparsity 0 (dense), or a longer video "
+                         "/ larger frame (sparse pays from several thousand tokens per sequence)")
+    if config.cache is not None and work is not None and work.calls:
+        reused = work.calls - work.ffn_runs
+        runtime = next((st.extras.get("cache") for st in states if st is not None and st.extras.get("cache")), None)
+        if config.cache.method == "mag_cache" and config.cache.params.get("calibrate"):
+            notes.append("mag_cache calibration run: nothing is reused by design; paste the printed mag_cache spec "
+                         "(one line, above) as --cache for the real runs")
+        elif reused == 0:
+            hint = _statistics_hint(runtime.decisions) if runtime is not None else ""
+            notes.append(f"the step cache reused nothing ({config.cache.method} with "
+                         f"{dict(config.cache.params) or 'its defaults'}): every change between steps was above its "
+                         f"threshold{hint}. Raise the threshold (see docs/guides/caching.md)")
+        elif slower:
+            notes.append(f"the step cache reused {reused} of {work.calls} calls but the loop was not faster: the "
+                         "reused calls are too cheap to save more than the cache's own bookkeeping at this shape")
+    return notes
 
 
 def _demo_model_line(pipe, kw, family_name: str = "wan") -> str:
@@ -880,8 +1049,11 @@ def generate(args, argv: list[str]) -> int:
                          args.nproc if launching else int(os.environ.get("WORLD_SIZE", "1")))
     if launching:
         cmd = _torchrun_command(args, argv)  # torchrun = python -m torch.distributed.run
-        print("launching:", " ".join(cmd), flush=True)
-        return subprocess.call(cmd)
+        env = dict(os.environ)
+        # the thread budget split over the ranks, said aloud (torchrun would set 1 thread per rank with a warning)
+        env.setdefault("OMP_NUM_THREADS", str(rank_threads(args.threads, args.nproc)))
+        print(f"launching ({args.nproc} processes x {env['OMP_NUM_THREADS']} thread(s)):", " ".join(cmd), flush=True)
+        return subprocess.call(cmd, env=env)
 
     import torch
 
@@ -937,6 +1109,7 @@ def generate(args, argv: list[str]) -> int:
         # the other ranks waiting at the first collective for as long as it takes.
         say("stock diffusers run" + (f" (on each of the {world} ranks, one device each)" if world > 1 else "") + " ...")
         stock_frames, rows["stock"] = _run(pipe, kw, device.type, args.warmup)
+    t0 = time.perf_counter()
     from lite_boost.api import apply_parallel_plan, apply_plan
     from lite_boost.plan import PLANNER_ERRORS, make_plan
 
@@ -945,6 +1118,7 @@ def generate(args, argv: list[str]) -> int:
     except PLANNER_ERRORS as exc:
         raise plan_exit(exc) from None
     (apply_parallel_plan if world > 1 else apply_plan)(pipe, plan)
+    boost_s = time.perf_counter() - t0
     say("boosted run ...")
     from lite_boost.cache import count_block_work
 
@@ -963,7 +1137,26 @@ def generate(args, argv: list[str]) -> int:
 
     vae_parallel = world > 1 and parallel_vae_state(getattr(pipe, "vae", None)) is not None  # what really ran parallel
     untouched = ("text encode",) + (() if vae_parallel else ("VAE decode",))
+    from lite_boost.timing import speedup_line, warmup_line
+
+    print(warmup_line(rows, args.warmup))
+    threads = torch.get_num_threads()
+    if world > 1:
+        print(f"threads: boosted = {world} processes x {threads} torch thread(s) = {world * threads}; the stock "
+              f"column is NOT a one-process baseline with that whole budget: stock ran on each rank, one process "
+              f"with {threads} thread(s) (one rank's share). For the one-process stock baseline with the same "
+              f"budget run `lite-boost generate --threads {world * threads}` with the same other options and "
+              "compare its stock column")
+    else:
+        print(f"threads: stock and boosted ran in this one process with the same {threads} torch thread(s)"
+              + (f" on {device}" if device.type != "cpu" else ""))
+    print()
     print(format_timing_table(rows, untouched=untouched))
+    if "stock" in rows:
+        print("\n" + speedup_line(rows["stock"], rows["boosted"], step_cache=config.cache is not None))
+    once = one_off_lines(rows, boost_s)
+    if once:
+        print("one-off costs (not in the table): " + "; ".join(once))
     if stock_frames is not None:
         psnr, peak, diff = video_psnr(frames, stock_frames)
         what = "image" if image_out else "video"
@@ -975,6 +1168,11 @@ def generate(args, argv: list[str]) -> int:
     print("\napplied:")
     for line in applied_summary(pipe, config, work, device, dtype):
         print(f"- {line}")
+    notes = advice(pipe, config, work, rows)
+    if notes:
+        print("\nnotes:")
+        for line in notes:
+            print(f"- {line}")
     return 0
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["PhaseTimes", "PhaseTimer", "format_timing_table"]
+__all__ = ["PhaseTimes", "PhaseTimer", "format_timing_table", "speedup_line", "warmup_line"]
 
 
 def _sync(device_type: str | None) -> None:
@@ -29,6 +29,7 @@ class PhaseTimes:
     step_s: list[float] = field(default_factory=list)
     vae_decode_s: float = 0.0
     total_s: float = 0.0
+    warmup_s: list[float] = field(default_factory=list)  # untimed warm-up calls before this run (one-off costs)
 
     @property
     def denoise_s(self) -> float:
@@ -122,8 +123,31 @@ def format_timing_table(rows: dict[str, PhaseTimes], untouched: tuple[str, ...] 
         return f"| {label} | {cells}{speed} |"
 
     lines.append(line("text encode", lambda t: t.text_encode_s, "text encode"))
+    lines.append(line(f"denoise total (the whole loop, {len(base.step_s)} steps)", lambda t: t.denoise_s, "denoise"))
     lines.append(line(f"denoise per step (median of {len(base.step_s)})", lambda t: t.step_median_s, "denoise"))
-    lines.append(line("denoise total", lambda t: t.denoise_s, "denoise"))
     lines.append(line("VAE decode", lambda t: t.vae_decode_s, "VAE decode"))
     lines.append(line("total", lambda t: t.total_s))
     return "\n".join(lines)
+
+
+def speedup_line(stock: PhaseTimes, boosted: PhaseTimes, step_cache: bool = False) -> str:
+    """The speed-ups side by side: the whole loop (what a user waits for), the median step, the whole call."""
+    def r(a, b):
+        return f"{a / b:.2f}x" if b > 0 else "-"
+
+    text = (f"speed-up: denoising loop {r(stock.denoise_s, boosted.denoise_s)} (whole loop), median step "
+            f"{r(stock.step_median_s, boosted.step_median_s)}, whole call {r(stock.total_s, boosted.total_s)}")
+    if step_cache:
+        text += ("; with a step cache the loop figure is the one that counts (a reused step is nearly free, so "
+                 "the median step flatters the cache)")
+    return text
+
+
+def warmup_line(rows: dict[str, PhaseTimes], warmup: int) -> str:
+    """What ran before the timed runs, and where the one-off costs went."""
+    if warmup <= 0:
+        return ("no warm-up (--warmup 0): one-off costs (kernel library load, compilation, the first sparse call) "
+                "are inside the timed runs")
+    names = " and ".join(rows)
+    return (f"both sides warmed up before their timed run: {names} each made {warmup} untimed 1-step call(s) first "
+            "(one-off costs listed below, not in the table)")

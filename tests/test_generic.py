@@ -232,3 +232,48 @@ def test_generic_sparse_refuses_unknown_layouts():
     with pytest.raises(ConfigError, match="pyramid_attention_broadcast.*sparse"):
         lite_boost.boost(other, {**SPARSE, "cache": {"method": "pyramid_attention_broadcast"}})
     assert getattr(other, "_lite_boost", None) is None
+
+
+# ------------------------------------------------------------------ discoverable: lite-boost models / generate
+def test_models_lists_every_installed_transformer_class():
+    from lite_boost.adapter.generic import installed_transformer_classes
+    from lite_boost.cli import installed_classes_report
+
+    report = installed_classes_report()
+    classes = installed_transformer_classes()
+    assert len(classes) >= 60
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in report.splitlines() if line.startswith("| ")}
+    assert set(classes) <= set(rows)
+    assert "| family wan |" in rows["WanTransformer3DModel"]
+    assert "| generic | yes |" in rows[GEN]
+    assert "| no |" in rows["AllegroTransformer3DModel"] and "dispatch_attention_fn" in rows["AllegroTransformer3DModel"]
+
+
+def _tiny_skyreels_pipeline():
+    from diffusers import SkyReelsV2Pipeline, SkyReelsV2Transformer3DModel, UniPCMultistepScheduler
+
+    from lite_boost.demo import tiny_wan_pipeline
+
+    wan = tiny_wan_pipeline("t2v")
+    torch.manual_seed(0)
+    transformer = SkyReelsV2Transformer3DModel(num_attention_heads=3, attention_head_dim=24, in_channels=16,
+                                               out_channels=16, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2,
+                                               rope_max_seq_len=64).eval()
+    return SkyReelsV2Pipeline(tokenizer=wan.tokenizer, text_encoder=wan.text_encoder, transformer=transformer,
+                              vae=wan.vae, scheduler=UniPCMultistepScheduler(flow_shift=3.0, prediction_type="flow_prediction",
+                                                                             use_flow_sigmas=True))
+
+
+def test_generate_model_runs_a_generic_pipeline(tmp_path, capsys):
+    import re
+
+    from lite_boost.cli import main
+
+    folder = tmp_path / "skyreels"
+    _tiny_skyreels_pipeline().save_pretrained(folder)
+    assert main(["generate", "--model", str(folder), "--height", "32", "--width", "32", "--num-frames", "5",
+                 "--steps", "2", "--warmup", "0", "--output", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert f"{folder} (SkyReelsV2Pipeline, the generic family)" in out
+    diff = float(re.search(r"max \|boosted - stock\| over the video \(values in \[0, 1\]\): (\S+)", out).group(1))
+    assert diff <= 1e-5

@@ -50,7 +50,7 @@ from .family import FEATURES
 from .generic_sparse import SPARSE_CACHE_METHODS, install_generic_sparse, latent_grid, uninstall_generic_sparse
 from .processor import DenseAttention
 
-__all__ = ["GENERIC", "GenericAttention", "GenericFamily", "attention_problem", "boost_generic", "class_problem",
+__all__ = ["GENERIC", "class_family", "GenericAttention", "GenericFamily", "attention_problem", "boost_generic", "class_problem",
            "generic_family", "generic_pipeline_family", "installed_transformer_classes", "repeated_block_patterns",
            "unboost_generic", "PIPELINE_TRANSFORMERS"]
 
@@ -355,6 +355,43 @@ def generic_family(model) -> GenericFamily:
              if others else "")
     return GenericFamily(model_class=type(model).__name__, dispatch_sites=len(ours), other_sites=tuple(others),
                          quant_patterns=patterns, patch=patch, cache=cache, unsupported=unsupported, notes=notes)
+
+
+def class_family(cls: type, pipeline_class: str | None = None) -> GenericFamily:
+    """The generic record of a transformer class, read from its code and config signature (no instance, no
+    weights): what ``lite-boost models`` lists and the CLI checks before loading a pipeline. The boost reads
+    the instance itself (:func:`generic_family`)."""
+    why = class_problem(cls)
+    if why is not None:
+        raise UnsupportedModelError(f"lite_boost cannot boost {cls.__name__}: {why}, and no model family is "
+                                    "registered for it")
+    from diffusers.models.cache_utils import CacheMixin
+
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        params = {}
+    unsupported = {
+        "sequence_parallel": "not on the generic path yet (no lite_boost sharding plan)",
+        "cfg_parallel": "no pipeline plan on the generic path",
+        "parallel_vae": "no parallel-VAE adapter on the generic path",
+    }
+    if "patch_size" not in params:
+        unsupported["sparse"] = "no patch size in the model config: the latent token grid is unknown"
+    if not getattr(cls, "_repeated_blocks", None):
+        unsupported["quant"] = "the model names no _repeated_blocks (pass QuantConfig(include=[...]))"
+    cache = None
+    if issubclass(cls, CacheMixin):
+        cache = CacheAdapter(methods=tuple(m for m in CACHE_METHODS if m != "sea_cache"),
+                             why_not={"sea_cache": "diffusers' SeaCache derives its indicator for Wan text-to-video "
+                                                   "and Cosmos only"})
+    else:
+        unsupported["step_cache"] = f"{cls.__name__} has no enable_cache (diffusers' CacheMixin)"
+    return GenericFamily(model_class=cls.__name__, cache=cache, unsupported=unsupported,
+                         pipelines=(pipeline_class,) if pipeline_class else (),
+                         quant_patterns=tuple(f"{b} blocks" for b in getattr(cls, "_repeated_blocks", None) or ()),
+                         notes="block hooks (first_block_cache, mag_cache) where diffusers' hooks know its blocks; "
+                               "sparse where its inputs are (B, C, [F,] H, W) latents (checked at boost / first call)")
 
 
 # ----------------------------------------------------------------------------------------------- #

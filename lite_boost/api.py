@@ -70,11 +70,17 @@ def _boost(target, config: BoostConfig):
 
 
 def unboost(target):
-    """Restore the original diffusers processors, modules and (quantized) weights of a boosted target; returns it."""
+    """Restore the original diffusers processors, modules and (quantized) weights of a boosted target; returns it.
+
+    A target ``ParallelManager`` distributed is unparallelized first (sharded weights are gathered back: then a
+    collective, to call on every rank)."""
     fn = lookup(target)
     undo = getattr(fn, "unboost", None)
     if undo is None:
         raise TypeError(f"the adapter for {type(target).__name__} does not support unboost")
+    from .parallel.manager import unparallelize
+
+    unparallelize(target)
     return undo(target)
 
 

@@ -862,9 +862,11 @@ def advice(pipe, config, work, rows: dict) -> list[str]:
             if events:
                 why.append(f"effective sparsity {eff:.2f}: the forced text / first-frame / diagonal blocks are a large "
                            "share of so few blocks")
-            notes.append("block-sparse attention cannot pay at this shape (" + "; ".join(why) + "): selecting blocks "
-                         "and reordering tokens cost more than the skipped blocks save. Try --sparsity 0 (dense), or "
-                         "a longer video / larger frame (sparse pays from several thousand tokens per sequence)")
+            verdict = ("cannot pay at this shape: the boosted loop was not faster" if slower else
+                       "is at or below its measured break-even at this shape, so its gain here is small or noise")
+            notes.append(f"block-sparse attention {verdict} (" + "; ".join(why) + "): selecting blocks and reordering "
+                         "tokens cost about what the skipped blocks save. Try --sparsity 0 (dense), or a longer video "
+                         "/ larger frame (sparse pays from several thousand tokens per sequence)")
     if config.cache is not None and work is not None and work.calls:
         reused = work.calls - work.ffn_runs
         runtime = next((st.extras.get("cache") for st in states if st is not None and st.extras.get("cache")), None)

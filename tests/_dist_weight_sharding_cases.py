@@ -114,10 +114,10 @@ def wan_transformer_fsdp(mesh, *, heads=3, i2v=True, grid=(3, 3, 5)):
 
 def wan_transformer_tp(mesh, *, heads=4, i2v=True, grid=(3, 3, 5)):
     """Wan I2V transformer under tp 2 (x Ulysses when the world allows): parity, local Linear bytes, local
-    head counts (restored by unparallelize)."""
+    head counts (restored by unboost, which unparallelizes first)."""
     import lite_boost
     from lite_boost.demo import tiny_wan_transformer
-    from lite_boost.parallel import ParallelManager, unparallelize
+    from lite_boost.parallel import ParallelManager
 
     spec = _wan_spec(heads, i2v)
     x, ctx, kw = _wan_inputs(i2v, grid)
@@ -132,8 +132,9 @@ def wan_transformer_tp(mesh, *, heads=4, i2v=True, grid=(3, 3, 5)):
     with torch.no_grad():
         refs = [ref_model(x, t, ctx, **kw).sample for t in steps]
         out["diffs"] = [_diff(model(x, t, ctx, **kw).sample, r) for t, r in zip(steps, refs)]
-    unparallelize(model)
+    lite_boost.unboost(model)  # unparallelizes first: full weights, global head counts, stock processors
     out["heads_after"] = (model.blocks[0].attn1.heads, attn.heads)
+    out["unboosted_plain"] = all(type(p) is torch.nn.Parameter for p in model.parameters())
     with torch.no_grad():
         out["unsharded_diff"] = _diff(model(x, steps[0], ctx, **kw).sample, refs[0])
     out["ref_abs"] = refs[0].abs().max().item()

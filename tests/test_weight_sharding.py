@@ -76,7 +76,7 @@ def test_fsdp_two_experts_text_encoder_cfg2_cached_sparse():
 def test_tensor_parallel_wan_i2v():
     for r in _each(2, "wan_i2v_tp2"):
         assert r["ref_abs"] > 0.1 and max(r["diffs"]) <= TOL and r["unsharded_diff"] <= TOL, r
-        assert r["heads"] == (2, 2) and r["heads_after"] == (4, 4), r
+        assert r["heads"] == (2, 2) and r["heads_after"] == (4, 4) and r["unboosted_plain"], r
         assert r["q_local"] == (48, 96) and r["ffn_local"] == (96, 32), r  # 4 x 24 channels: rows / columns halved
     _halves([(r["dtensor_local"], r["dtensor_total"]) for r in _each(2, "wan_i2v_tp2")])
 

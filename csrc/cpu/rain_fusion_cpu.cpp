@@ -10,6 +10,11 @@
 // prefetches ahead, see copy_rows_prefetched). Nothing of size S x S and no gathered copy of K/V exists;
 // fp16/bf16 go through MKL's 16-bit GEMMs in place (or are widened into small per-thread buffers where those are missing). Items are handed out dynamically (atomic counter) to
 // at::parallel_for's threads, because rows select different numbers of blocks.
+//
+// precision="int8" (see run_cpu's `lowp`): S = Q K^T on oneDNN's u8 x s8 brgemm from int8 K^T smoothed by its
+// per-head mean (per-KV-block scales, made once per (batch, KV head) in one fused pass) and u8 query rows (per-row
+// scales), the softmax in fp32, P V on the bf16 brgemm against a bf16 VNNI copy of V; the lse adds back the
+// smoothing's shift. Dense int8 attention is this kernel with every block selected.
 #include "vec_config.h"
 
 #include <ATen/ATen.h>

@@ -201,6 +201,8 @@ def main() -> None:
     ap.add_argument("--out", default="memory")
     args = ap.parse_args()
     args.shape = tuple(int(x) for x in args.shape.split("x"))
+    if args.blocks < 2:  # the planner finds the blocks as a list of two or more
+        ap.error(f"--blocks must be >= 2, got {args.blocks}")
     if args.worker:
         worker(args)
         return

@@ -312,7 +312,10 @@ def check_not_cached(model) -> None:
         )
 
 
-def check_cache_support(target, cache_config, *, cfg_degree: int = 1) -> CacheAdapter | None:
+_LOOKUP = object()  # check_cache_support's family argument when the caller has not resolved it
+
+
+def check_cache_support(target, cache_config, *, cfg_degree: int = 1, family=_LOOKUP) -> CacheAdapter | None:
     """Raise ConfigError unless ``target``'s family supports ``cache_config.method``; returns its adapter.
 
     ``cfg_degree`` > 1 (CFG parallelism) additionally needs, for a pipeline that makes separate cond and
@@ -322,14 +325,16 @@ def check_cache_support(target, cache_config, *, cfg_degree: int = 1) -> CacheAd
     holds half of the batch): a state shared by the branches is then fine, as each rank's one call per
     step keeps and reuses its half of what the one-process call does (Pyramid Attention Broadcast
     decides from the timestep and its call counter only). Runs before anything is modified (and, under
-    ParallelManager, before any collective).
+    ParallelManager, before any collective). ``family``: the target's family when the caller (the planner)
+    has looked it up already (None: a plain boost function), else it is looked up here.
     """
     if cache_config is None:
         return None
     spec = CACHE_METHODS[cache_config.method]
     from .registry import family_of, lookup, names_where
 
-    family = family_of(lookup(target))
+    if family is _LOOKUP:
+        family = family_of(lookup(target))
     batched = getattr(getattr(getattr(family, "pipeline", None), "cfg", None), "kind", None) == "batched"
     if cfg_degree > 1 and not spec.per_branch_state and not batched:
         per_branch = sorted(n for n, m in CACHE_METHODS.items() if m.per_branch_state)

@@ -538,50 +538,50 @@ def _pipeline_parameters(class_name: str) -> set[str] | None:
         return None
 
 
+class PlanExit(SystemExit):
+    """SystemExit for a refusal of the planner: the message (``str(exc)``), and the exit status ``code``
+    (:data:`EXIT_CODES`); :func:`main` prints the message to stderr."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def plan_exit(exc: Exception) -> PlanExit:
+    """The command's exit for a planner error: ``lite-boost generate: <message>`` and its exit status."""
+    from lite_boost.plan import exit_code
+
+    return PlanExit(f"lite-boost generate: {exc}", exit_code(exc))
+
+
 def check_family_options(family, class_name: str, args, config, world_size: int) -> None:
     """SystemExit naming the option when the run asks for something the family or pipeline cannot do.
 
-    Runs before torchrun is launched and before any model is built: features the family lacks
-    (``lite-boost models``), CFG parallel without CFG, frames for an image pipeline, an image for a
-    pipeline that takes none.
+    Runs before torchrun is launched and before any model is built: the planner on paper
+    (:func:`lite_boost.plan.make_plan` with the family's record, the options named by their flags), then
+    frames for an image pipeline, an image for a pipeline that takes none.
     """
-    from lite_boost.config import ConfigError
+    from lite_boost.plan import PLANNER_ERRORS, make_plan
 
     def option(flag: str, key: str) -> str:
         return flag if args.config is None else f"{key} (from --config {args.config})"
 
-    def refuse(what: str, feature: str):
-        others = [f.name for f in _registered_families().values() if f.supports(feature)]
-        raise SystemExit(f"lite-boost generate: {what} is not supported for the {family.name} family "
-                         f"({family.features[feature]}); families with {feature}: {others}")
-
     p = config.parallel
-    if config.sparse is not None and config.sparse.sparse_type is not None and not family.supports("sparse"):
-        refuse(option(f"--sparsity {config.sparse.sparsity:g}", "sparse"), "sparse")
-    if p.cfg_degree > 1 and not family.supports("cfg_parallel"):
-        refuse(option(f"--cfg-degree {p.cfg_degree}", "parallel.cfg_degree"), "cfg_parallel")
-    if world_size > 1:
-        try:
-            _, seq = p.resolve(world_size)
-        except ConfigError as exc:
-            raise SystemExit(f"lite-boost generate: {exc}") from None
-        if seq > 1 and not family.supports("sequence_parallel"):
-            refuse(option(f"--nproc {world_size} (sequence degree {seq})", "parallel"), "sequence_parallel")
-        if p.vae_parallel in ("exact", "chunked") and not family.supports("parallel_vae"):
-            refuse(option(f"--vae-parallel {p.vae_parallel}", "parallel.vae_parallel"), "parallel_vae")
-    if config.cache is not None:
-        if not family.supports("step_cache"):
-            refuse(option(f"--cache {config.cache.method}", "cache"), "step_cache")
-        methods = list(family.cache.methods)
-        if config.cache.method not in methods:
-            raise SystemExit(f"lite-boost generate: {option('--cache ' + config.cache.method, 'cache.method')} is "
-                             f"not available for the {family.name} family; its step caches: {methods}")
-    if config.quant is not None and not family.supports("quant"):
-        refuse(option(f"--quant {config.quant.method}", "quant"), "quant")
+    names = {
+        "sparse": option(f"--sparsity {config.sparse.sparsity:g}" if config.sparse else "--sparsity", "sparse"),
+        "cfg_parallel": option(f"--cfg-degree {p.cfg_degree}", "parallel.cfg_degree"),
+        "sequence_parallel": lambda draft: option(f"--nproc {world_size} (sequence degree {draft.sequence_degree})",
+                                                  "parallel"),
+        "parallel_vae": option(f"--vae-parallel {p.vae_parallel}", "parallel.vae_parallel"),
+        "cache": option(f"--cache {config.cache.method}" if config.cache else "--cache", "cache"),
+        "cache.method": option(f"--cache {config.cache.method}" if config.cache else "--cache", "cache.method"),
+        "quant": option(f"--quant {config.quant.method}" if config.quant else "--quant", "quant"),
+    }
     try:
-        family.check_config(config)  # anything else the family refuses
-    except ConfigError as exc:
-        raise SystemExit(f"lite-boost generate: {exc}") from None
+        make_plan(None, config, parallel=True, family=family, class_name=class_name, world_size=world_size,
+                  option_names=names)
+    except PLANNER_ERRORS as exc:
+        raise plan_exit(exc) from None
     params = _pipeline_parameters(class_name)
     if params is not None:
         if args.num_frames is not None and "num_frames" not in params:
@@ -645,7 +645,7 @@ def _validate_generate(args) -> None:
                            tp_degree=getattr(args, "tp_degree", 1),
                            fsdp_degree=getattr(args, "fsdp_degree", 1)).resolve_mesh(world)
         except ConfigError as exc:
-            raise SystemExit(f"lite-boost generate: {exc}") from None
+            raise plan_exit(exc) from None
     if getattr(args, "vae_overlap", None) is not None:
         if args.vae_overlap < 1:
             bad("--vae-overlap", args.vae_overlap, "a positive integer")
@@ -863,9 +863,11 @@ def advice(pipe, config, work, rows: dict) -> list[str]:
             if events:
                 why.append(f"effective sparsity {eff:.2f}: the forced text / first-frame / diagonal blocks are a large "
                            "share of so few blocks")
-            notes.append("block-sparse attention cannot pay at this shape (" + "; ".join(why) + "): selecting blocks "
-                         "and reordering tokens cost more than the skipped blocks save. Try --sparsity 0 (dense), or "
-                         "a longer video / larger frame (sparse pays from several thousand tokens per sequence)")
+            verdict = ("cannot pay at this shape: the boosted loop was not faster" if slower else
+                       "is at or below its measured break-even at this shape, so its gain here is small or noise")
+            notes.append(f"block-sparse attention {verdict} (" + "; ".join(why) + "): selecting blocks and reordering "
+                         "tokens cost about what the skipped blocks save. Try --sparsity 0 (dense), or a longer video "
+                         "/ larger frame (sparse pays from several thousand tokens per sequence)")
     if config.cache is not None and work is not None and work.calls:
         reused = work.calls - work.ffn_runs
         runtime = next((st.extras.get("cache") for st in states if st is not None and st.extras.get("cache")), None)
@@ -1040,7 +1042,7 @@ def generate(args, argv: list[str]) -> int:
     try:
         config = _boost_config(args)
     except ConfigError as exc:
-        raise SystemExit(f"lite-boost generate: {exc}") from None
+        raise plan_exit(exc) from None
     launching = args.nproc > 1 and "LOCAL_RANK" not in os.environ
     check_processes(config, args.nproc, int(os.environ.get("WORLD_SIZE", "1")), args.config)
     # unsupported combinations stop here, before torchrun starts anything
@@ -1056,7 +1058,6 @@ def generate(args, argv: list[str]) -> int:
 
     import torch
 
-    import lite_boost
     from lite_boost.timing import format_timing_table
 
     if args.verbose:
@@ -1110,12 +1111,14 @@ def generate(args, argv: list[str]) -> int:
         say("stock diffusers run" + (f" (on each of the {world} ranks, one device each)" if world > 1 else "") + " ...")
         stock_frames, rows["stock"] = _run(pipe, kw, device.type, args.warmup)
     t0 = time.perf_counter()
-    if world > 1:
-        from lite_boost.parallel import ParallelManager
+    from lite_boost.api import apply_parallel_plan, apply_plan
+    from lite_boost.plan import PLANNER_ERRORS, make_plan
 
-        ParallelManager(pipe, config)
-    else:
-        lite_boost.boost(pipe, config)
+    try:  # the same planner as lite_boost.boost / ParallelManager, its refusals as exit codes
+        plan = make_plan(pipe, config, parallel=world > 1)
+    except PLANNER_ERRORS as exc:
+        raise plan_exit(exc) from None
+    (apply_parallel_plan if world > 1 else apply_plan)(pipe, plan)
     boost_s = time.perf_counter() - t0
     say("boosted run ...")
     from lite_boost.cache import count_block_work
@@ -1268,6 +1271,16 @@ def plan_command(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``lite-boost`` command. A refusal of the planner exits with :data:`lite_boost.plan.EXIT_CODES`
+    (2: an option or config value, 3: an unsupported model, 4: no parallel plan for it)."""
+    try:
+        return _main(argv)
+    except PlanExit as exc:
+        print(exc, file=sys.stderr, flush=True)  # the interpreter prints nothing for an int exit status
+        raise
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(build_parser(), argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

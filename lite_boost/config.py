@@ -43,7 +43,7 @@ ATTENTION_BACKEND_NAMES = ("fa3", "fa2", "npu", "sdpa", "sage", "sage_fp8", "fa3
 # "int8" = int8 Q K^T after smoothing K by its mean over tokens, 16-bit P V; "fp8" = FP8 where the device has it.
 ATTENTION_PRECISIONS = ("auto", "int8", "fp8")
 # Block-sparse kernels of ``lite_boost.ops.rain_fusion_attention`` (same reason).
-SPARSE_BACKEND_NAMES = ("npu", "cpp", "flex", "gather", "reference")
+SPARSE_BACKEND_NAMES = ("npu", "cpp", "sparge", "flex_int8", "flex", "gather", "reference")
 # Sequence length (tokens per sequence) from which the whole block-sparse call (selection, reorder, kernel) beat
 # dense SDPA at sparsity 0.8, head_dim 128, float32, per CPU backend; None = not within the measured lengths (up to
 # SPARSE_BREAK_EVEN_MEASURED_UP_TO). Measured by benchmarks/bench_sparse_break_even.py (results and the CPU model
@@ -183,8 +183,9 @@ class SparseConfig(_ConfigMixin):
     dense_layers: indices of transformer blocks that always use dense attention.
     mask_reuse_steps: a computed block mask is reused for this many steps (1 = recompute every step).
     min_seq_len: sequences shorter than this use dense attention (mask overhead would dominate).
-    backend: block-sparse kernel ("npu", "cpp", "flex", "gather", "reference") or None = automatic
-        (npu -> cpp -> flex -> gather, also settable with LITE_BOOST_SPARSE_BACKEND).
+    backend: block-sparse kernel ("npu", "cpp", "sparge", "flex_int8", "flex", "gather", "reference") or
+        None = automatic (npu -> cpp -> sparge -> flex_int8 -> flex -> gather, the int8 ones for precision
+        "int8" on CUDA only; also settable with LITE_BOOST_SPARSE_BACKEND).
     budget: "reference" (the reference rule: each query block keeps its top
         ``ceil((1 - sparsity) * kv_blocks)`` blocks, then the forced text / first-frame / diagonal
         blocks are added on top) or "total" (forced blocks count toward that number: a hard cap).

@@ -63,14 +63,16 @@ class BoostManager:
 
     @staticmethod
     def _apply(target, config: BoostConfig, options: dict):
-        from .api import ParallelManager
-        from .parallel.manager import world_size_of
+        from .api import apply_parallel_plan
+        from .plan import make_plan
 
         unknown = sorted(set(options) - set(_OPTIONS))
         if unknown:
             raise TypeError(f"BoostManager got unknown option(s) {unknown}; options: {list(_OPTIONS)}")
-        config.parallel.check_world_size(world_size_of(options.get("mesh")))
-        return ParallelManager(target, config, **options)
+        options = dict(options)
+        init_method = options.pop("init_method", None)
+        plan = make_plan(target, config, parallel=True, **options)  # world size, family, features: once
+        return apply_parallel_plan(target, plan, init_method=init_method)
 
     def __repr__(self) -> str:
         return f"BoostManager(config={self.config!r})"

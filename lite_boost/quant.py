@@ -479,10 +479,14 @@ def family_patterns(family) -> tuple[str, ...]:
     return tuple(fnmatch.translate(p) for p in getattr(family, "quant_patterns", ()) or ())
 
 
-def _family_of(target):
+_LOOKUP = object()  # check_quant_support's family argument when the caller has not resolved it
+
+
+def _family_of(target, family=_LOOKUP):
     from .registry import family_of, names_where
 
-    family = family_of(target)
+    if family is _LOOKUP:
+        family = family_of(target)
     if family is None or not family.supports("quant"):
         why = family.features["quant"] if family is not None else "its adapter is not a model family"
         raise _config_error(f"quantization (BoostConfig.quant) is not supported for {type(target).__name__} ({why}); "
@@ -490,23 +494,31 @@ def _family_of(target):
     return family
 
 
-def check_quant_support(target, quant_config, *, device: torch.device | str | None = None) -> list[QuantPlan]:
+def check_quant_support(target, quant_config, *, device: torch.device | str | None = None, family=_LOOKUP,
+                        models=None) -> list[QuantPlan]:
     """Validate ``quant_config`` for every transformer of ``target`` (a pipeline or a model); changes nothing.
 
-    Runs before anything is modified (and, under ParallelManager, before any collective).
+    Runs before anything is modified (and, under ParallelManager, before any collective). ``family`` /
+    ``models``: the target's family and transformers when the caller (the planner) resolved them already.
+    Returns one plan per transformer, in their order.
     """
     if quant_config is None:
         return []
-    family = _family_of(target)
-    return [plan_quant(m, quant_config, family_patterns(family), device) for m in family.transformers_of(target)]
+    family = _family_of(target, family)
+    models = family.transformers_of(target) if models is None else models
+    return [plan_quant(m, quant_config, family_patterns(family), device) for m in models]
 
 
-def install_quant(model: nn.Module, boost_state) -> None:
-    """Quantize ``model`` as ``boost_state.config.quant`` asks (if at all); the state goes to its extras."""
+def install_quant(model: nn.Module, boost_state, plan: QuantPlan | None = None) -> None:
+    """Quantize ``model`` as ``boost_state.config.quant`` asks (if at all); the state goes to its extras.
+
+    ``plan``: the model's QuantPlan from the planner (else it is planned here).
+    """
     cfg = boost_state.config.quant
     if cfg is None:
         return
-    plan = plan_quant(model, cfg, family_patterns(boost_state.family))
+    if plan is None:
+        plan = plan_quant(model, cfg, family_patterns(boost_state.family))
     boost_state.extras[STATE_KEY] = quantize_model(model, cfg, plan)
 
 

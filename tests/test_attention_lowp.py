@@ -51,6 +51,9 @@ def _fakes(monkeypatch, arch=(9, 0), calls=None, fa3=True, npu=True):
     monkeypatch.setitem(sys.modules, "flash_attn_interface", make_flash_attn_interface_fp8() if fa3 else None)
     monkeypatch.setitem(sys.modules, "torch_npu", make_torch_npu() if npu else None)
     monkeypatch.setattr(L, "cuda_capability", lambda device=None: arch)
+    # the CPU int8 kernel is tested in test_low_precision.py; here it must not build the C++ library
+    monkeypatch.setitem(A.BACKENDS, "cpu_int8", dataclasses.replace(A.BACKENDS["cpu_int8"],
+                                                                    probe=lambda: "not under test here"))
     A.clear_caches()
 
 
@@ -112,6 +115,7 @@ def test_npu_int8_order_and_no_fp8_on_ascend(monkeypatch):
     assert _decide("npu", "int8") == ("npu_int8", None)
     name, error = _decide("npu", "fp8")
     assert name is None and "fa3_fp8: wrong device: needs cuda, got npu" in error
+    assert "CANN documents no FP8 input" in error and "CANN documents no FP8 input" in A.precision_reason("npu", "fp8")
     # the int8 mode needs a head dim aligned to 32 (int8 inputs), as documented
     name, error = _decide("npu", "int8", head_dim=80)
     assert name is None and "unsupported head dim 80: needs <= 512 and a multiple of 32" in error
@@ -140,7 +144,7 @@ def test_refusals_name_the_reason_and_the_usable_backends(monkeypatch):
     q, k, v = _qkv()
     # a forced backend of another precision
     with pytest.raises(AttentionBackendError, match=r"'sdpa' .* computes in full precision, not int8.*Usable "
-                                                    r"backends for this call: \['sage', 'npu_int8'(, 'cpu_int8')?\]"):
+                                                    r"backends for this call: \['sage', 'npu_int8'\]"):
         attention(q, k, v, precision="int8", backend="sdpa")
     with pytest.raises(AttentionBackendError, match="'sage_fp8' .* computes in fp8, not int8"):
         attention(q, k, v, precision="int8", backend="sage_fp8")

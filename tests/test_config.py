@@ -87,7 +87,7 @@ def test_backend_name_lists_match_the_registries():
     assert tuple(importlib.import_module("lite_boost.ops.attention").BACKENDS) == ATTENTION_BACKEND_NAMES
     assert tuple(SPARSE_BACKENDS) == SPARSE_BACKEND_NAMES
     assert SparseConfig(backend="gather").backend == "gather"
-    with pytest.raises(ConfigError, match=r"backend must be one of \[None, 'npu', 'cpp', 'flex', 'gather', 'reference'\]"):
+    with pytest.raises(ConfigError, match=r"backend must be one of \[None, 'npu', 'cpp', 'sparge', 'flex_int8', 'flex', 'gather', 'reference'\]"):
         SparseConfig(backend="triton")
 
 

@@ -113,3 +113,83 @@ def test_flex_int8_kernel_matches_the_block_sparse_reference():
     ref = _reference(q, k, v, idx, num, (128, 128), 0.2)
     assert cosine(out, ref) >= 0.9995 and rel_l1(out, ref) <= 0.03, (cosine(out, ref), rel_l1(out, ref))
     assert rel_l1(out, ref) > 1e-4  # Q and K really went through int8 (fp32 alone is ~1e-7 off)
+
+
+@pytest.mark.parametrize("kernel", [S.sparge_kernel, S.flex_int8_kernel])
+def test_empty_segments_give_zeros_without_calling_a_kernel(monkeypatch, kernel):
+    monkeypatch.setitem(sys.modules, "spas_sage_attn", None)  # would fail if called
+    monkeypatch.setattr(S, "FLEX", None)
+    q, k, v = torch.randn(2, 0, 32), torch.randn(1, 5, 32), torch.randn(1, 5, 32)
+    out, _ = kernel(q, k, v, torch.zeros(0, 2, 1, dtype=torch.int64), torch.zeros(0, 2, dtype=torch.int64),
+                    (128, 128), 0.1)
+    assert out.shape == (2, 0, 32)
+    q = torch.randn(2, 7, 32)
+    out, _ = kernel(q, k[:, :0], v[:, :0], torch.zeros(1, 2, 0, dtype=torch.int64),
+                    torch.zeros(1, 2, dtype=torch.int64), (128, 128), 0.1)
+    assert bool(out.eq(0).all()) and out.shape == (2, 7, 32)
+
+
+# ------------------------------------------------------------------- wiring into rain_fusion_attention
+
+RF = importlib.import_module("lite_boost.ops.rain_fusion")
+
+
+def _cuda_with_sparge(monkeypatch, arch=(8, 9)):
+    monkeypatch.setitem(sys.modules, "spas_sage_attn", make_spas_sage_attn(arch))
+    monkeypatch.setattr(S, "cuda_capability", lambda device=None: arch)
+    monkeypatch.setattr(S.FLEX, "probe", lambda device_type: None)  # triton present
+
+
+def test_rain_fusion_order_for_int8_on_cuda(monkeypatch):
+    _cuda_with_sparge(monkeypatch)
+    usable = RF.available_sparse_backends("cuda", torch.bfloat16, precision="int8")
+    assert usable["sparge"] is None and usable["flex_int8"] is None
+    assert "precision='int8'" in usable["flex"] and "precision='int8'" in usable["gather"]
+    c = RF._Context("cuda", torch.bfloat16, False, False, (128, 128), 4, 4, 0, "int8", 64)
+    assert RF._choose(c, None)[0] == "sparge"
+    # Ring needs the log-sum-exp: SpargeAttn returns none, FlexAttention on int8 Q / K does
+    c_lse = RF._Context("cuda", torch.bfloat16, True, False, (128, 128), 4, 4, 0, "int8", 64)
+    assert RF._choose(c_lse, None)[0] == "flex_int8"
+    # a head dim above SpargeAttn's 128 goes to FlexAttention too
+    assert RF._choose(RF._Context("cuda", torch.bfloat16, False, False, (128, 128), 4, 4, 0, "int8", 192),
+                      None)[0] == "flex_int8"
+    # precision "auto" never picks an int8 kernel; forcing one says to pass precision='int8'
+    auto = RF._Context("cuda", torch.bfloat16, False, False, (128, 128), 4, 4, 0, "auto", 64)
+    assert RF._choose(auto, None)[0] == "flex"
+    with pytest.raises(RF.SparseBackendError, match=r"'sparge' .* computes in int8 only .*pass precision='int8'"):
+        RF._choose(auto, "sparge")
+    # without SpargeAttn: FlexAttention on int8 Q / K, and the reason is reported
+    monkeypatch.setitem(sys.modules, "spas_sage_attn", None)
+    O.import_optional.cache_clear()
+    assert RF._choose(c, None) == ("flex_int8", "automatic (skipped npu: wrong device: needs npu, got cuda; cpp: wrong "
+                                   "device: needs cpu, got cuda; sparge: spas_sage_attn is not installed)")
+
+
+def test_npu_block_sparse_refuses_int8_as_cann_documents_no_quantized_mode():
+    c = RF._Context("npu", torch.float16, False, False, (128, 128), 4, 4, 0, "int8", 64)
+    assert "input dtype only" in RF._BACKENDS["npu"].rejects(c)
+    assert "wrong device" in RF._BACKENDS["sparge"].rejects(c)
+
+
+@pytest.mark.parametrize("layout", ["TND", "BNSD"])
+def test_rain_fusion_attention_runs_sparge_per_batch(monkeypatch, layout):
+    """The public entry point through the SpargeAttn spec (device check lifted: the spec runs on CPU)."""
+    _cuda_with_sparge(monkeypatch, (9, 0))
+    monkeypatch.setattr(S, "sparge_reason", lambda *a, **k: None)
+    g = torch.Generator().manual_seed(3)
+    lens = [200, 130] if layout == "TND" else [200, 200]
+    n1, n2, d = 4, 2, 64
+    if layout == "TND":
+        q, k, v = (torch.randn(sum(lens), n, d, generator=g).bfloat16() for n in (n1, n2, n2))
+    else:
+        q, k, v = (torch.randn(2, n, 200, d, generator=g).bfloat16() for n in (n1, n2, n2))
+    nqb = sum(-(-x // 128) for x in lens)
+    idx = torch.tensor([[0, 1]] * n1 * nqb).view(nqb, n1, 2)
+    idx[0, 0, 1] = -1
+    num = (idx >= 0).sum(-1)
+    kw = dict(actual_seq_lengths=lens, actual_seq_lengths_kv=lens, q_input_layout=layout, kv_input_layout=layout)
+    out, lse = RF.rain_fusion_attention(q, k, v, idx, num, [128, 128], backend="sparge", precision="int8", **kw)
+    ref, _ = RF.rain_fusion_attention(q.float(), k.float(), v.float(), idx, num, [128, 128],
+                                      backend="reference", **kw)
+    assert lse is None and out.dtype == torch.bfloat16
+    assert cosine(out, ref) >= 0.9995 and rel_l1(out, ref) <= 0.03, (cosine(out, ref), rel_l1(out, ref))

@@ -155,15 +155,21 @@ def check_attention_precision(config: BoostConfig, model) -> None:
                           f"must be one of {usable} here (allowed values: {list(PRECISIONS)})")
 
 
-def boost_model(family, model, config: BoostConfig | None = None, onload_device=None):
+def boost_model(family, model, config: BoostConfig | None = None, onload_device=None, *, plan=None):
     """Boost one transformer of ``family`` in place and return it (idempotent for an equal config).
 
     ``onload_device``: where offloaded blocks compute (``config.offload``; None = resolved from the
-    config and the model, :func:`lite_boost.offload.resolve_onload_device`)."""
-    config = BoostConfig.coerce(config)
-    sites = check_model(family, model)
-    family.check_config(config, model)
-    check_attention_precision(config, model)
+    config and the model, :func:`lite_boost.offload.resolve_onload_device`). ``plan``: a
+    :class:`lite_boost.plan.Plan` that validated this model already (its config and quantization are used and
+    nothing is checked again); without one, the model and config are checked here."""
+    if plan is None:
+        config = BoostConfig.coerce(config)
+        sites = check_model(family, model)
+        family.check_config(config, model)
+        check_attention_precision(config, model)
+    else:
+        config = plan.config
+        sites = match_sites(family, model)
     state = getattr(model, STATE_ATTR, None)
     if state is not None:
         if state.config == config and state.family is family:
@@ -173,7 +179,8 @@ def boost_model(family, model, config: BoostConfig | None = None, onload_device=
         onload_device = resolve_onload_device(config.offload, model)
 
     state = BoostState(config=config, rope_cache=RopeCache(config.rope_cache_size), family=family)
-    install_quant(model, state)  # first: on failure it leaves the model as it was
+    # first: on failure it leaves the model as it was
+    install_quant(model, state, plan.part("quant", model) if plan is not None else None)
     if config.quant is not None:
         reapply_user_offload(model)  # the user's own group offloading follows the new weight tensors
     for name, module, site, layer in sites:
@@ -194,7 +201,7 @@ def boost_model(family, model, config: BoostConfig | None = None, onload_device=
     install_sparse(model, state)  # block-sparse self-attention when config.sparse asks for it
     if config.offload is not None:  # before the step cache: a skipped block is then not uploaded either
         offload_module(model, config.offload, onload_device)
-    install_cache(model, state)  # diffusers' step-cache hooks when config.cache asks for them
+    install_cache(model, state, checked=plan is not None)  # diffusers' step-cache hooks when config.cache asks
     setattr(model, STATE_ATTR, state)
     return model
 
@@ -251,18 +258,23 @@ def pipeline_transformers(family, pipe) -> list[tuple[str, object]]:
     return found
 
 
-def boost_pipeline(family, pipe, config: BoostConfig | None = None, onload_device=None):
+def boost_pipeline(family, pipe, config: BoostConfig | None = None, onload_device=None, *, plan=None):
     """Boost every transformer of a pipeline of ``family`` (checked first, then boosted); with
-    ``config.offload`` its text encoders are offloaded too and its other modules go to the onload device."""
-    config = BoostConfig.coerce(config)
-    transformers = pipeline_transformers(family, pipe)
-    for _, module in transformers:
-        check_model(family, module)
-        family.check_config(config, module)
+    ``config.offload`` its text encoders are offloaded too and its other modules go to the onload device.
+    ``plan``: a :class:`lite_boost.plan.Plan` of this pipeline (its transformers and config are used,
+    nothing is checked again)."""
+    if plan is None:
+        config = BoostConfig.coerce(config)
+        transformers = [m for _, m in pipeline_transformers(family, pipe)]
+        for module in transformers:
+            check_model(family, module)
+            family.check_config(config, module)
+    else:
+        config, transformers = plan.config, plan.models
     if config.offload is not None and onload_device is None:
-        onload_device = resolve_onload_device(config.offload, transformers[0][1])
-    for _, module in transformers:
-        boost_model(family, module, config, onload_device)
+        onload_device = resolve_onload_device(config.offload, transformers[0])
+    for module in transformers:
+        boost_model(family, module, config, onload_device, plan=plan)
         attach_pipeline(module, pipe)  # the sparse schedule follows pipe.scheduler's step
     offload_pipeline(pipe, config.offload, family.pipeline.transformers, onload_device)
     return pipe

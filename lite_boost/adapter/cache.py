@@ -18,15 +18,19 @@ __all__ = ["install_cache", "uninstall_cache", "cache_runtime", "STATE_KEY"]
 STATE_KEY = "cache"
 
 
-def install_cache(model, state) -> None:
-    """Enable ``state.config.cache`` (if any) on ``model`` with diffusers' hooks."""
+def install_cache(model, state, *, checked: bool = False) -> None:
+    """Enable ``state.config.cache`` (if any) on ``model`` with diffusers' hooks.
+
+    ``checked``: the planner validated the request for this model already (``check_cache_support``).
+    """
     cfg = state.config.cache
     if cfg is None:
         return
     adapter: CacheAdapter = state.family.cache
-    check_not_cached(model)
-    if adapter.check is not None:
-        adapter.check(model, cfg.method, dict(cfg.params))
+    if not checked:
+        check_not_cached(model)
+        if adapter.check is not None:
+            adapter.check(model, cfg.method, dict(cfg.params))
     probe = model.get_submodule(adapter.probe_module) if adapter.probe_module else None
     runtime = CacheRuntime(model, cfg.method, probe_module=probe, timestep_scale=adapter.timestep_scale)
     dcfg = build_diffusers_config(cfg.method, cfg.params, defaults=adapter.defaults.get(cfg.method),

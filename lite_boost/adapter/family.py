@@ -18,7 +18,7 @@ from ..parallel.plan import PipelinePlan, ShardingPlan
 from . import boost as _boost
 from .processor import ROLES
 
-__all__ = ["AttentionSite", "RopeSource", "ModelFamily", "FEATURES", "JOINT_LAYOUTS"]
+__all__ = ["AttentionSite", "RopeSource", "ModelFamily", "FEATURES", "JOINT_LAYOUTS", "feature_error"]
 
 # How the text meets the image / video tokens:
 # "cross": separate cross-attention (Wan, LTX); "text_first": joint attention over [text, image]
@@ -27,6 +27,16 @@ JOINT_LAYOUTS = ("cross", "text_first", "image_first")
 
 # Features a family may support (``ModelFamily.features``; ``lite-boost models`` lists them).
 FEATURES = ("dense", "sparse", "sequence_parallel", "cfg_parallel", "step_cache", "compile", "parallel_vae", "quant")
+
+
+def feature_error(family, feature: str, option: str) -> ConfigError:
+    """The refusal of ``feature`` for a family that lacks it (any record with ``name`` and ``features``),
+    naming the option, the reason and the registered families that have the feature."""
+    from ..registry import families
+
+    others = [f.name for f in families() if f.supports(feature)]
+    return ConfigError(f"{option} is not supported for the {family.name} family "
+                       f"({family.features[feature]}); families with {feature}: {others}")
 
 
 @dataclass(frozen=True)
@@ -177,14 +187,14 @@ class ModelFamily:
         family = self
         ident = self.name.replace("-", "_")
         if transformer:
-            def boost(model, config: BoostConfig | None = None):
-                return _boost.boost_model(family, model, config)
+            def boost(model, config: BoostConfig | None = None, *, plan=None):
+                return _boost.boost_model(family, model, config, plan=plan)
 
             boost.unboost = _boost.unboost_model
             kind, what = "transformer", " / ".join(self.transformers)
         else:
-            def boost(pipe, config: BoostConfig | None = None):
-                return _boost.boost_pipeline(family, pipe, config)
+            def boost(pipe, config: BoostConfig | None = None, *, plan=None):
+                return _boost.boost_pipeline(family, pipe, config, plan=plan)
 
             boost.unboost = lambda pipe: _boost.unboost_pipeline(family, pipe)
             kind, what = "pipeline", ", ".join(self.pipelines) or "(none)"
@@ -216,21 +226,23 @@ class ModelFamily:
             raise ValueError(f"unknown feature {feature!r}; features: {list(FEATURES)}")
         return self.features[feature] is None
 
-    def check_config(self, config: BoostConfig, model=None) -> None:
-        """ConfigError, naming the option, when ``config`` asks for a feature this family lacks."""
-        def refuse(option, feature):
-            from ..registry import families
+    def check_config(self, config: BoostConfig, model=None, *, option=None) -> None:
+        """ConfigError, naming the option, when ``config`` asks for a feature this family lacks.
 
-            others = [f.name for f in families() if f.supports(feature)]
-            raise ConfigError(f"{option} is not supported for the {self.name} family "
-                              f"({self.features[feature]}); families with {feature}: {others}")
-
+        ``option(key) -> str``: how the option is named (``sparse``, ``cache``, ``quant``; default the
+        BoostConfig field, the command line passes its flags).
+        """
+        name = option or (lambda key: f"{key} (BoostConfig.{key})")
         if config.sparse is not None and config.sparse.sparse_type is not None and not self.supports("sparse"):
-            refuse("sparse (BoostConfig.sparse)", "sparse")
+            raise feature_error(self, "sparse", name("sparse"))
         if config.cache is not None and not self.supports("step_cache"):
-            refuse("cache (BoostConfig.cache)", "step_cache")
+            raise feature_error(self, "step_cache", name("cache"))
         if config.quant is not None and not self.supports("quant"):
-            refuse("quant (BoostConfig.quant)", "quant")
+            raise feature_error(self, "quant", name("quant"))
+
+    def check_model(self, model) -> None:
+        """TypeError unless ``model`` has this family's attention sites and RoPE module."""
+        _boost.check_model(self, model)
 
     def is_pipeline(self, target) -> bool:
         """True if ``target``'s class (or a base) is one of this family's pipelines."""

@@ -292,23 +292,30 @@ class GenericFamily:
             raise ValueError(f"unknown feature {feature!r}; features: {list(FEATURES)}")
         return self.features[feature] is None
 
-    def check_config(self, config: BoostConfig, model=None) -> None:
-        """ConfigError, naming the option, when ``config`` asks for a feature the generic path lacks here."""
+    def check_config(self, config: BoostConfig, model=None, *, option=None) -> None:
+        """ConfigError, naming the option, when ``config`` asks for a feature the generic path lacks here.
+
+        ``option(key) -> str``: how the option is named (default the BoostConfig field)."""
+        name = option or (lambda key: f"{key} (BoostConfig.{key})")
+
         def refuse(option, feature):
             raise ConfigError(f"{option} is not supported for {self.model_class} on lite_boost's generic path "
                               f"({self.features[feature]})")
 
         sparse = config.sparse is not None and config.sparse.sparse_type is not None
         if sparse and not self.supports("sparse"):
-            refuse("sparse (BoostConfig.sparse)", "sparse")
+            refuse(name("sparse"), "sparse")
         if config.cache is not None and not self.supports("step_cache"):
-            refuse("cache (BoostConfig.cache)", "step_cache")
+            refuse(name("cache"), "step_cache")
         if sparse and config.cache is not None and config.cache.method not in SPARSE_CACHE_METHODS:
-            raise ConfigError(f"cache method {config.cache.method!r} with sparse (BoostConfig.sparse) is not supported for "
+            raise ConfigError(f"cache method {config.cache.method!r} with {name('sparse')} is not supported for "
                               f"{self.model_class} on the generic path (it skips single attention layers, which "
                               f"would shift the grid calls' layer order); with sparse use one of {list(SPARSE_CACHE_METHODS)}")
         if config.quant is not None and config.quant.include is None and not self.supports("quant"):
-            refuse("quant (BoostConfig.quant) without include patterns", "quant")
+            refuse(f"{name('quant')} without include patterns", "quant")
+
+    def check_model(self, model) -> None:
+        """Nothing more to check: the record was read from this model (:func:`generic_family`)."""
 
     def is_pipeline(self, target) -> bool:
         return False
@@ -529,23 +536,30 @@ def generic_context(model) -> GenericAttention | None:
     return extras.get(CONTEXT_KEY) if isinstance(extras, dict) else None
 
 
-def boost_generic(model, config: BoostConfig | None = None):
-    """Boost one transformer on the generic path in place and return it (idempotent for an equal config)."""
-    config = BoostConfig.coerce(config)
-    family = generic_family(model)
-    family.check_config(config, model)
-    check_attention_precision(config, model)
+def boost_generic(model, config: BoostConfig | None = None, *, plan=None):
+    """Boost one transformer on the generic path in place and return it (idempotent for an equal config).
+
+    ``plan``: a :class:`lite_boost.plan.Plan` of this model (its record, config and quantization are used,
+    nothing is checked again)."""
+    if plan is None:
+        config = BoostConfig.coerce(config)
+        family = generic_family(model)
+        family.check_config(config, model)
+        check_attention_precision(config, model)
+    else:
+        config, family = plan.config, plan.family
     state = getattr(model, STATE_ATTR, None)
     if state is not None:
         if state.config == config and isinstance(state.family, GenericFamily):
             return model
         lookup(model).unboost(model)
     state = BoostState(config=config, rope_cache=RopeCache(config.rope_cache_size), family=family)
-    install_quant(model, state)  # first: on failure it leaves the model as it was
+    # first: on failure it leaves the model as it was
+    install_quant(model, state, plan.part("quant", model) if plan is not None else None)
     try:
         _install_backend(model, state)
         install_generic_sparse(model, state, state.extras[CONTEXT_KEY])
-        install_cache(model, state)
+        install_cache(model, state, checked=plan is not None)
     except BaseException:
         _undo(model, state)
         raise
@@ -633,9 +647,16 @@ class GenericPipelineFamily:
     def supports(self, feature: str) -> bool:
         return self.features[feature] is None
 
-    def check_config(self, config: BoostConfig, model=None) -> None:
+    def check_config(self, config: BoostConfig, model=None, *, option=None) -> None:
         for _, fam in self.members:
-            fam.check_config(config)
+            fam.check_config(config, option=option)
+
+    def check_model(self, model) -> None:
+        """Each member's own check (a named family's attention sites; nothing more for a generic member)."""
+        for _, fam in self.members:
+            if type(model).__name__ in fam.transformers:
+                fam.check_model(model)
+                return
 
     def is_pipeline(self, target) -> bool:
         return type(target).__name__ == self.pipeline_class or hasattr(target, "components")
@@ -661,11 +682,17 @@ def generic_pipeline_family(pipe) -> GenericPipelineFamily:
     return GenericPipelineFamily(pipeline_class=type(pipe).__name__, members=tuple(fams))
 
 
-def boost_generic_pipeline(pipe, config: BoostConfig | None = None):
-    """Boost every transformer of a pipeline no family registered (each by its family, else generically)."""
-    config = BoostConfig.coerce(config)
-    family = generic_pipeline_family(pipe)
-    family.check_config(config)
+def boost_generic_pipeline(pipe, config: BoostConfig | None = None, *, plan=None):
+    """Boost every transformer of a pipeline no family registered (each by its family, else generically).
+
+    ``plan``: a :class:`lite_boost.plan.Plan` of this pipeline (its config is used; each transformer is
+    then boosted by its own path, which checks its own record)."""
+    if plan is None:
+        config = BoostConfig.coerce(config)
+        family = generic_pipeline_family(pipe)
+        family.check_config(config)
+    else:
+        config = plan.config
     models = pipeline_transformers(pipe)
     for _, model in models:
         lookup(model)(model, config)
@@ -692,8 +719,8 @@ boost_generic_pipeline.unboost = unboost_generic_pipeline
 # ----------------------------------------------------------------------------------------------- registry
 def _bound(fn, family):
     """``fn`` with ``.family`` / ``.unboost`` for one target (what ``lookup`` hands out)."""
-    def boost(target, config=None):
-        return fn(target, config)
+    def boost(target, config=None, *, plan=None):
+        return fn(target, config, plan=plan)
 
     boost.__name__ = boost.__qualname__ = fn.__name__
     boost.__doc__ = fn.__doc__

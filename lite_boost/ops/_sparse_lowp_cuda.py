@@ -83,6 +83,14 @@ def block_map(select_idx: torch.Tensor, select_num: torch.Tensor, n_kv_blocks: i
     return out[..., :n_kv_blocks].permute(1, 0, 2)
 
 
+def _nothing_to_compute(q, k, v, select_idx, need_lse):
+    """Zeros (and -inf log-sum-exp) for a segment without queries, keys or selected blocks, else None."""
+    if q.shape[1] and k.shape[1] and select_idx.shape[-1]:
+        return None
+    out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
+    return out, (torch.full(q.shape[:-1], float("-inf"), device=q.device) if need_lse else None)
+
+
 def _pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
     return x if x.shape[-1] == size else torch.nn.functional.pad(x, (0, size - x.shape[-1]))
 
@@ -91,6 +99,9 @@ def sparge_kernel(q, k, v, select_idx, select_num, block_shape, scale, need_lse=
     """One batch segment through SpargeAttn (see the module docstring)."""
     if need_lse:
         raise ValueError("sparge_kernel cannot return the log-sum-exp")
+    empty = _nothing_to_compute(q, k, v, select_idx, False)
+    if empty is not None:
+        return empty
     fn = module_or_none("spas_sage_attn").block_sparse_sage2_attn_cuda
     n1, lq, d = q.shape
     lk = k.shape[1]
@@ -132,6 +143,9 @@ def flex_int8_reason(device_type: str, dtype: torch.dtype, block_shape, need_lse
 
 def flex_int8_kernel(q, k, v, select_idx, select_num, block_shape, scale, need_lse=False):
     """One batch segment: int8 fake-quantized Q / K (K smoothed) through compiled FlexAttention."""
+    empty = _nothing_to_compute(q, k, v, select_idx, need_lse)
+    if empty is not None:
+        return empty
     km = k.float().mean(dim=1, keepdim=True)
     qd = fake_quant_int8_blocks(q, block_shape[0])
     # smoothing moves every logit of a row by q . mean(k): adding the mean back after quantization keeps

@@ -354,28 +354,39 @@ assert tuple(BACKENDS) == ATTENTION_BACKEND_NAMES
 _OVERRIDE = BackendOverride(ATTENTION_BACKEND_NAMES, ENV_VAR, "attention_backend(...)")
 
 
+# Why a device has no kernel of a precision at all (documented facts, added to the refusal).
+_PRECISION_NOTES = {
+    ("npu", "fp8"): "CANN documents no FP8 input for Ascend's fused attention (npu_fused_infer_attention_score) "
+                    "on Atlas A2 / A3; its int8 mode is precision='int8'",
+}
+
+
 @functools.lru_cache(maxsize=512)
 def _decide(device_type: str, dtype: torch.dtype, head_dim: int, heads: int, gqa: bool,
             requested: str | None, how: str, masked: bool = False,
             need_lse: bool = False, precision: str = "auto") -> tuple[str | None, str | None]:
     """(backend name, None) or (None, error message) for a call signature; logs each choice once."""
     order = _ORDERS[precision]
-    names = order + tuple(n for n in BACKENDS if n not in order)
-    reasons = {n: BACKENDS[n].rejects(device_type, dtype, head_dim, heads, gqa, masked, need_lse, precision)
-               for n in names}
+    reasons = {}  # probed lazily: a backend outside the order is only probed for an error message
+
+    def why(n):
+        if n not in reasons:
+            reasons[n] = BACKENDS[n].rejects(device_type, dtype, head_dim, heads, gqa, masked, need_lse, precision)
+        return reasons[n]
+
     sig = (f"{device_type}/{str(dtype).replace('torch.', '')}/head_dim={head_dim}/heads={heads}"
            + ("/key_mask" if masked else "") + ("/with lse" if need_lse else "")
            + (f"/precision={precision}" if precision != "auto" else ""))
     if requested is not None:
-        why = reasons[requested]
-        if why is not None:
-            usable = [n for n, r in reasons.items() if r is None]
-            return None, (f"attention backend {requested!r} ({how}) is unavailable for {sig}: {why}. "
+        reason = why(requested)
+        if reason is not None:
+            usable = [n for n in order + tuple(n for n in BACKENDS if n not in order) if why(n) is None]
+            return None, (f"attention backend {requested!r} ({how}) is unavailable for {sig}: {reason}. "
                           f"Usable backends for this call: {usable}")
         logger.info("lite_boost attention: using %r for %s (%s)", requested, sig, how)
         return requested, None
     for name in order:
-        if reasons[name] is None:
+        if why(name) is None:
             skipped = "; ".join(f"{n}: {reasons[n]}" for n in order[: order.index(name)])
             logger.info(
                 "lite_boost attention: using %r for %s (first usable in %s%s)",
@@ -386,8 +397,9 @@ def _decide(device_type: str, dtype: torch.dtype, head_dim: int, heads: int, gqa
     if precision != "auto":
         full = [n for n in _AUTO_ORDER
                 if BACKENDS[n].rejects(device_type, dtype, head_dim, heads, gqa, masked, need_lse) is None]
-        msg += (f". No {precision} attention kernel is available for {device_type} here; precision='auto' "
-                f"(full precision) would run this call on {full}")
+        note = _PRECISION_NOTES.get((device_type, precision))
+        msg += (f". No {precision} attention kernel is available for {device_type} here"
+                + (f" ({note})" if note else "") + f"; precision='auto' (full precision) would run this call on {full}")
     return None, msg
 
 
@@ -432,7 +444,8 @@ def available_backends(device: str | torch.device = "cpu", dtype: torch.dtype = 
 
     ``precision="auto"`` lists the full-precision backends; "int8" / "fp8" those of that precision.
     """
-    device_type = torch.device(device).type
+    # a device name torch may not know yet ("npu" before torch_npu is imported) is taken as written
+    device_type = device.split(":")[0] if isinstance(device, str) else torch.device(device).type
     precision = check_precision(precision)
     return {n: BACKENDS[n].rejects(device_type, dtype, head_dim, heads, False, masked, False, precision)
             for n in _ORDERS[precision]}
@@ -451,8 +464,9 @@ def precision_reason(device_type: str, precision: str, dtype: torch.dtype = torc
     reasons = available_backends(device_type, dtype, head_dim, heads, precision=precision)
     if any(r is None for r in reasons.values()):
         return None
+    note = _PRECISION_NOTES.get((device_type, precision))
     return f"no {precision} attention kernel can run on {device_type} here (" + "; ".join(
-        f"{n}: {r}" for n, r in reasons.items()) + ")"
+        f"{n}: {r}" for n, r in reasons.items()) + ")" + (f": {note}" if note else "")
 
 
 def backend_report() -> list[tuple[str, str, str]]:

@@ -15,6 +15,9 @@ Backends (chosen per call; first usable in this order unless forced):
   flash-style online softmax over the selected blocks only, fp32 accumulation; float32, float16,
   bfloat16; returns the log-sum-exp; inference only). Usable once the library is built (see
   ``lite_boost/ops/_ext.py``; it builds at first use when ``scripts/setup.sh`` has not);
+* ``"sparge"`` / ``"flex_int8"`` (``precision="int8"`` on CUDA only): SpargeAttn's block-sparse
+  SageAttention kernel, else compiled FlexAttention on int8-quantized Q / K
+  (``lite_boost/ops/_sparse_lowp_cuda.py``);
 * ``"flex"``: ``torch.compile``-d FlexAttention built from the block indices (CPU and CUDA; never
   run uncompiled; inference only; no log-sum-exp on CPU);
 * ``"gather"``: pure PyTorch, gathers the selected K/V blocks per group of query blocks and runs
@@ -38,7 +41,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import _ext, _sparse_npu
+from . import _ext, _sparse_lowp_cuda, _sparse_npu
 from ._flex import FLEX
 from ._errors import SparseBackendError
 from ._override import BackendOverride
@@ -59,8 +62,8 @@ __all__ = [
 logger = logging.getLogger("lite_boost.sparse")
 
 ENV_VAR = "LITE_BOOST_SPARSE_BACKEND"
-SPARSE_BACKENDS = ("npu", "cpp", "flex", "gather", "reference")
-_AUTO_ORDER = ("npu", "cpp", "flex", "gather")
+SPARSE_BACKENDS = ("npu", "cpp", "sparge", "flex_int8", "flex", "gather", "reference")
+_AUTO_ORDER = ("npu", "cpp", "sparge", "flex_int8", "flex", "gather")
 LAYOUTS = ("TND", "BNSD")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Per-call argument > ``with sparse_backend(...)`` > LITE_BOOST_SPARSE_BACKEND.
@@ -341,6 +344,7 @@ class _Context:
     n2: int
     inner_precise: int
     precision: str = "auto"
+    head_dim: int | None = None
 
 
 def _full_precision_only(c: _Context) -> str | None:
@@ -392,6 +396,33 @@ def _reject_any(c: _Context) -> str | None:
     return _full_precision_only(c)
 
 
+# ------------------------------------------------------------ CUDA int8 kernels (_sparse_lowp_cuda.py)
+
+
+def _int8_only(c: _Context) -> str | None:
+    if c.precision != "int8":
+        return f"computes in int8 only (precision={c.precision!r} asked; pass precision='int8')"
+    return None
+
+
+def _reject_sparge(c: _Context) -> str | None:
+    return _int8_only(c) or _sparse_lowp_cuda.sparge_reason(c.device_type, c.dtype, c.block_shape, c.need_lse,
+                                                             c.needs_grad, c.head_dim)
+
+
+def _reject_flex_int8(c: _Context) -> str | None:
+    return _int8_only(c) or _sparse_lowp_cuda.flex_int8_reason(c.device_type, c.dtype, c.block_shape, c.need_lse,
+                                                                c.needs_grad)
+
+
+def _run_sparge(query, key, value, select_idx, select_num, p, need_lse):
+    return _run_segments(_sparse_lowp_cuda.sparge_kernel, query, key, value, select_idx, select_num, p, need_lse)
+
+
+def _run_flex_int8(query, key, value, select_idx, select_num, p, need_lse):
+    return _run_segments(_sparse_lowp_cuda.flex_int8_kernel, query, key, value, select_idx, select_num, p, need_lse)
+
+
 @dataclass(frozen=True)
 class _Backend:
     name: str
@@ -405,6 +436,10 @@ _BACKENDS = {
     for b in (
         _Backend("npu", _reject_npu, _run_npu, "aclnnRainFusionAttention via torch.ops.lite_boost (Ascend)"),
         _Backend("cpp", _reject_cpp, _run_cpp, "torch.ops.lite_boost C++ block-sparse flash kernel (CPU)"),
+        _Backend("sparge", _reject_sparge, _run_sparge, "SpargeAttn block_sparse_sage2_attn_cuda: int8 Q/K, 16-bit "
+                 "or FP8 P/V, block-sparse in one kernel (CUDA, precision int8)"),
+        _Backend("flex_int8", _reject_flex_int8, _run_flex_int8, "torch.compile(flex_attention) on int8-quantized "
+                 "Q/K (CUDA, precision int8, where SpargeAttn is absent)"),
         _Backend("flex", _reject_flex, _run_flex, "torch.compile(flex_attention) from block indices (CPU/CUDA)"),
         _Backend("gather", _reject_any, _run_gather, "pure PyTorch gather of selected blocks, fp32 softmax"),
         _Backend("reference", _reject_any, _run_reference, "dense masked fp64 softmax (tests only)"),
@@ -470,7 +505,7 @@ def sparse_backend(name: str | None):
 def _dispatch(query, key, value, select_idx, select_num, p: _Problem, return_lse: bool, backend):
     c = _Context(query.device.type, query.dtype, return_lse,
                  torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)),
-                 p.block_shape, p.n1, p.n2, p.inner_precise, p.precision)
+                 p.block_shape, p.n1, p.n2, p.inner_precise, p.precision, query.shape[-1])
     name, how = _choose(c, backend)
     logger.debug("rain_fusion_attention: backend %r (%s)", name, how)
     if name == "flex":
@@ -520,14 +555,15 @@ def rain_fusion_attention(query, key, value, select_idx, select_num_idx, block_s
             Ascend; the CPU/CUDA backends always accumulate in fp32.
         return_lse: also return the natural-log log-sum-exp of each query row (fp32). Restricts
             the choice to backends that produce it ("cpp", "gather", "reference", "flex" on CUDA).
-        backend: force "npu", "cpp", "flex", "gather" or "reference" (None = context manager, env var,
-            automatic).
+        backend: force "npu", "cpp", "sparge", "flex_int8", "flex", "gather" or "reference" (None =
+            context manager, env var, automatic).
         precision: "auto" (the input dtype) or "int8": Q K^T on int8 dot products after smoothing
             K by its mean over each (batch, KV head)'s tokens (per-row query scales, per-KV-block key
             scales), fp32 softmax, P V in bf16 (fp32 where the CPU has no bf16 dot products); the
             log-sum-exp is that of the unquantized scores' shift-corrected softmax. "int8" runs on the
-            "cpp" backend (CPU with int8 dot products); "fp8" has no kernel here. The other backends
-            run "auto" only.
+            "cpp" backend (CPU with int8 dot products) and, on CUDA, on "sparge" (SpargeAttn; no
+            log-sum-exp) or "flex_int8" (FlexAttention on int8-quantized Q / K); "fp8" has no kernel
+            here. The other backends run "auto" only, and "sparge" / "flex_int8" "int8" only.
 
     Returns:
         ``(out, softmax_lse)``: ``out`` in the query's layout and dtype (rows that select nothing

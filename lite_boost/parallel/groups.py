@@ -287,6 +287,7 @@ def init_mesh(
     init_method: str | None = None,
     device: torch.device | str | None = None,
     env: Mapping[str, str] | None = None,
+    degrees: tuple[int, int, int] | None = None,
 ) -> ParallelMesh:
     """Create the cfg x sequence mesh for this process.
 
@@ -296,6 +297,8 @@ def init_mesh(
             variables ``MASTER_ADDR`` / ``MASTER_PORT``); e.g. ``file:///tmp/rdzv`` in tests.
         device: override the device (default: from ``LOCAL_RANK`` and what is available).
         env: environment mapping to read instead of ``os.environ`` (tests).
+        degrees: (cfg, ulysses, ring) degrees already resolved for this world size (``lite_boost.plan``);
+            default: resolved here from ``config``.
 
     Reuses an existing default process group (its world size and rank win over the environment).
     All validation happens before the first collective.
@@ -317,7 +320,9 @@ def init_mesh(
     else:
         rank, local_rank, world_size = read_torchrun_env(env)
 
-    cfg_degree, ulysses_degree, ring_degree = config.resolve_mesh(world_size)
+    if degrees is None:
+        degrees = config.resolve_mesh(world_size)
+    cfg_degree, ulysses_degree, ring_degree = degrees
     sequence_degree = ulysses_degree * ring_degree
     tp_degree, fsdp_degree = config.tp_degree, config.fsdp_degree
 

@@ -376,18 +376,19 @@ def world_size_of(mesh: ParallelMesh | None) -> int:
     return read_torchrun_env()[2]
 
 
-def check_vae(target, config: BoostConfig, mesh: ParallelMesh | None, *, unsupported: str | None = None):
+def check_vae(target, config: BoostConfig, mesh: ParallelMesh | None, *, unsupported: str | None = None,
+              world_size: int | None = None):
     """The parallel-VAE adapter of ``target.vae`` when the VAE will run parallel, else None.
 
     ``unsupported``: why the target's family has no parallel VAE; then ``vae_parallel=None`` (auto)
-    leaves the VAE on every rank (logged) and an explicit mode raises. Raises (UnsupportedVAEError,
-    ConfigError) before any collective.
+    leaves the VAE on every rank (logged) and an explicit mode raises. ``world_size``: when the caller (the
+    planner) knows it. Raises (UnsupportedVAEError, ConfigError) before any collective.
     """
     vae = getattr(target, "vae", None)
     mode = config.parallel.vae_parallel
     if vae is None or mode == "off" or (mesh is not None and not isinstance(mesh, ParallelMesh)):
         return None  # (ParallelManager rejects a bad mesh argument itself)
-    if world_size_of(mesh) == 1:
+    if (world_size if world_size is not None else world_size_of(mesh)) == 1:
         return None
     if unsupported is not None and mode is None:
         logger.info("lite_boost parallel VAE: off for %s (%s); every rank runs the VAE", type(vae).__name__,

@@ -347,14 +347,15 @@ def sequence_parallel_attention(attn_fn, ulysses: Communicator, ring: Communicat
     return UlyssesAttention(inner, ulysses, shard_info, chunk=True)
 
 
-def check_ring_support(config, mesh=None, device=None) -> None:
+def check_ring_support(config, mesh=None, device=None, *, ring_degree: int | None = None) -> None:
     """Raise ConfigError, before any collective, when ``config`` asks for a kernel without lse under ring.
 
     ``config``: a BoostConfig; nothing to check unless its ring degree (from ``mesh``, else resolved
     for the world size of the default group or the torchrun environment) is above 1. Dense backends
     all return the log-sum-exp; the block-sparse Ascend operator (``softmax_lse`` unsupported) and
     compiled FlexAttention on CPU do not. ``device``: the rank's device (default: the mesh's, else
-    from LOCAL_RANK as ``init_mesh`` picks it).
+    from LOCAL_RANK as ``init_mesh`` picks it). ``ring_degree``: the resolved ring degree when the caller
+    (the planner) has it, else it is resolved here.
     """
     sparse = getattr(config, "sparse", None)
     if sparse is None or sparse.sparse_type is None:
@@ -370,7 +371,8 @@ def check_ring_support(config, mesh=None, device=None) -> None:
             world, local_rank = dist.get_world_size(), dist.get_rank()
         else:
             _, local_rank, world = read_torchrun_env()
-        ring_degree = config.parallel.resolve_mesh(world)[2]
+        if ring_degree is None:
+            ring_degree = config.parallel.resolve_mesh(world)[2]
         device_type = torch.device(device).type if device is not None else default_device(local_rank).type
     if ring_degree == 1:
         return

@@ -30,7 +30,7 @@ import torch
 
 from ..config import ConfigError
 from ..schedule import SparseSchedule
-from .sparse import _HANDLES, _STATES, STATE_KEY, ScheduledSparseAttention, SparseState, _arg_index
+from .sparse import _HANDLES, _STATES, STATE_KEY, ScheduledSparseAttention, SparseState, _arg_index, uninstall_sparse
 
 __all__ = ["GenericSparse", "install_generic_sparse", "latent_grid", "uninstall_generic_sparse", "SPARSE_CACHE_METHODS"]
 
@@ -167,13 +167,7 @@ def install_generic_sparse(model, boost_state, ctx) -> None:
 
 
 def uninstall_generic_sparse(model, boost_state, ctx) -> None:
-    state = boost_state.extras.pop(STATE_KEY, None)
-    if state is None:
-        return
-    for hook in (state.hook, state.timestep_hook):
-        if hook is not None:
-            hook.remove()
-    _STATES.pop(state.handle, None)
+    uninstall_sparse(model, boost_state)  # the same hooks and handle as the family path
     if ctx is not None:
         ctx.sparse = None
 

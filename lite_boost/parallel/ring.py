@@ -386,7 +386,11 @@ def check_ring_support(config, mesh=None, device=None, *, ring_degree: int | Non
     if requested == "flex" and device_type != "cpu":
         return
     if requested in no_lse:
-        usable = [n for n in rf.SPARSE_BACKENDS if n not in no_lse or (n == "flex" and device_type != "cpu")]
+        # the backends this device can run at the config's precision, less those without lse here
+        precision = getattr(getattr(config, "attention", None), "precision", "auto")
+        runnable = rf.available_sparse_backends(device_type, precision=precision)
+        usable = [n for n, why in runnable.items()
+                  if why is None and (n not in no_lse or (n == "flex" and device_type != "cpu"))]
         raise ConfigError(
             f"sparse backend {requested!r} ({how}) cannot run under Ring attention (ring_degree > 1): "
             f"{no_lse[requested]}, and Ring merges partial results through it. Usable sparse backends with "

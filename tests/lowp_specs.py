@@ -31,21 +31,11 @@ Written from the packages' documentation and docstrings:
 
 from __future__ import annotations
 
-import importlib.machinery
-import types
-
 import torch
+from attention_specs import _module
 
 INT8 = 127.0
 E4M3 = 448.0
-
-
-def _module(name, **attrs):
-    mod = types.ModuleType(name)
-    mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
-    for k, v in attrs.items():
-        setattr(mod, k, v)
-    return mod
 
 
 def _quant_int8_blocks(x, block):

@@ -173,5 +173,6 @@ def test_predicted_call_peak_is_within_15_percent_of_the_measured_one():
     r = json.loads(res.stdout.strip().splitlines()[-1])
     assert r["tokens"] == 3200
     assert abs(r["activations_predicted"] - r["call_peak_measured"]) <= 0.15 * r["call_peak_measured"], r
-    # the weights: the prediction is the parameter bytes; the process adds a constant of its own (< 20 MiB)
-    assert 0 <= r["weights_measured"] - r["weights_predicted"] <= 20 * 2**20, r
+    # the weights: the prediction is the parameter bytes; the worker pays boost's one-off imports and library
+    # load on a tiny model first, so what is left beside the weights is small (about 1 MiB)
+    assert 0 <= r["weights_measured"] - r["weights_predicted"] <= 8 * 2**20, r

@@ -98,6 +98,7 @@ COGVIDEOX_CACHE_ADAPTER = CacheAdapter(
 
 COGVIDEOX = register_family(ModelFamily(
     name="cogvideox",
+    output="video",
     transformers=("CogVideoXTransformer3DModel",),
     pipelines=("CogVideoXPipeline", "CogVideoXImageToVideoPipeline", "CogVideoXVideoToVideoPipeline",
                "CogVideoXFunControlPipeline"),

@@ -299,6 +299,7 @@ FLUX_CACHE_ADAPTER = CacheAdapter(
 
 FLUX = register_family(ModelFamily(
     name="flux",
+    output="image", cfg_argument="true_cfg_scale",
     transformers=("FluxTransformer2DModel",),
     pipelines=_PIPELINES,
     attention=(AttentionSite("transformer_blocks.*.attn", FluxAttnProcessor, role="joint"),

@@ -222,6 +222,7 @@ _COMMON = dict(joint="image_first", rope=RopeSource("rope", CachedHunyuanRope, m
 
 HUNYUAN_VIDEO = register_family(ModelFamily(
     name="hunyuan-video",
+    output="video", cfg_argument="true_cfg_scale",
     transformers=("HunyuanVideoTransformer3DModel",),
     pipelines=("HunyuanVideoPipeline", "HunyuanVideoImageToVideoPipeline"),
     attention=(AttentionSite("transformer_blocks.*.attn", HunyuanVideoJointProcessor, role="joint"),
@@ -242,6 +243,7 @@ HUNYUAN_VIDEO = register_family(ModelFamily(
 
 HUNYUAN_VIDEO_15 = register_family(ModelFamily(
     name="hunyuan-video-1.5",
+    output="video", cfg_argument=None,  # its guider holds the scale
     transformers=("HunyuanVideo15Transformer3DModel",),
     pipelines=("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"),
     attention=(AttentionSite("transformer_blocks.*.attn", HunyuanVideo15JointProcessor, role="joint"),),

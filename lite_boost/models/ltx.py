@@ -191,6 +191,7 @@ LTX_CACHE_ADAPTER = CacheAdapter(
 
 LTX = register_family(ModelFamily(
     name="ltx",
+    output="video",
     transformers=("LTXVideoTransformer3DModel",),
     pipelines=("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline"),
     attention=(AttentionSite("transformer_blocks.*.attn1", LTXAttnProcessor, role="self"),

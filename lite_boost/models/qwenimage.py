@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from ..adapter import AttentionSite, LiteBoostProcessor, ModelFamily, RopeSource, rotate_qk
+from ..adapter import AttentionSite, LiteBoostProcessor, ModelFamily, RopeSource, TinyPipeline, rotate_qk
 from ..adapter.shims import SEA_CACHE_WHY_NOT, CachedRope, call_arg, norm_qk, separate_passes_why_not
 from ..cache import CacheAdapter
 from ..ops.joint import JointTokens
@@ -178,6 +178,13 @@ QWEN_IMAGE = register_family(ModelFamily(
     cache=QWEN_CACHE_ADAPTER,
     quant_patterns=("transformer_blocks.*",),
     notes="text replicated on every rank (joint attention exchanges only the image tokens)",
+    output="image",
+    cfg_argument="true_cfg_scale",
+    # `lite-boost generate --family qwen-image`: 256 x 256 = 1,024 image tokens, random prompt embeddings of
+    # 12 / 7 tokens (no text encoder), 10 steps, dense (lite_boost.demo.DEMO_QWEN_*)
+    tiny={"t2i": TinyPipeline("QwenImagePipeline", builder="lite_boost.demo:demo_qwen_image_pipeline",
+                              shape=(256, 256, None), steps=10, describe="lite_boost.demo:describe_qwen_image_demo",
+                              prompt="lite_boost.demo:qwen_demo_prompt")},
 ))
 
 boost_qwen_image_transformer = QWEN_IMAGE.boost_transformer

@@ -21,7 +21,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..adapter import AttentionSite, BoostState, DenseAttention, LiteBoostProcessor, ModelFamily, RopeSource
+from ..adapter import (AttentionSite, BoostState, DenseAttention, LiteBoostProcessor, ModelFamily, RopeSource,
+                       TinyPipeline)
 from ..adapter.boost import unboost_model
 from ..adapter.shims import CachedRope, patch_grid, separate_passes_why_not, video_token_grid
 from ..cache import CacheAdapter
@@ -245,6 +246,12 @@ WAN = register_family(ModelFamily(
                "text_encoder": ("UMT5EncoderModel", dict(d_model=4096, d_ff=10240, num_layers=24, num_heads=64,
                                                          d_kv=64, vocab_size=256384, feed_forward_proj="gated-gelu",
                                                          relative_attention_num_buckets=32))},
+    output="video",
+    # the main job (a bare `lite-boost generate`): 192 x 256, 25 frames = 7 x 24 x 32 = 5,376 tokens, 10 steps,
+    # block-sparse at 0.8 (lite_boost.demo.DEMO_SHAPE / DEMO_STEPS / DEMO_SPARSITY)
+    tiny={kind: TinyPipeline(pipeline, builder="lite_boost.demo:demo_wan_pipeline", shape=(192, 256, 25), steps=10,
+                             sparsity=0.8, describe="lite_boost.demo:describe_wan_demo", default=kind == "t2v")
+          for kind, pipeline in (("t2v", "WanPipeline"), ("i2v", "WanImageToVideoPipeline"))},
 ))
 
 boost_wan_transformer = WAN.boost_transformer

@@ -52,7 +52,7 @@ def quantized_parallel(rank, world_size, init_method):
     out = {}
     cases = [("seq2", 1, None, "auto"), ("cfg2_sparse", 2, sparse, "auto")]
     if cpu_int8_reason() is None:
-        cases += [("seq2_attn8", 1, None, "int8"), ("cfg2_sparse_attn8", 2, sparse, "int8")]
+        cases += [("seq2_attn8", 1, None, "int8"), ("cfg2_sparse_attn8", 2, {**sparse, "backend": "cpp"}, "int8")]
     for name, cfg_degree, sp, precision in cases:
         config = {"parallel": {"cfg_degree": cfg_degree, "timeout_s": 120}, "quant": {"method": "int8_dynamic"},
                   "attention": {"precision": precision}}

@@ -248,7 +248,8 @@ def test_exact_mode_overlap_policy():
 
     from lite_boost.config import ConfigError
     from lite_boost.parallel.comm import Communicator
-    from lite_boost.parallel.vae import _overlap_pays, parallelize_vae
+    from lite_boost.parallel.vae import parallelize_vae
+    from lite_boost.parallel.vae.spatial import _overlap_pays
 
     assert _overlap_pays(nn.Conv3d(16, 16, 3))  # 108 KiB of fp32 weights
     assert not _overlap_pays(nn.Conv3d(128, 128, 3))  # 1.7 MiB

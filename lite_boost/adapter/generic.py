@@ -49,6 +49,7 @@ from .cache import install_cache, uninstall_cache
 from .family import FEATURES
 from .generic_parallel import cp_plan_of, key_padding_mask as _key_padding_mask, sequence_plan
 from .loaders import AFTER_SWAP_KEY, install_loader_guards, install_pipeline_guards, uninstall_loader_guards, uninstall_pipeline_guards
+from .steps import attach_step_check, detach_step_check
 from .generic_sparse import SPARSE_CACHE_METHODS, install_generic_sparse, latent_grid, uninstall_generic_sparse
 from .processor import DenseAttention
 from .shims import SEA_CACHE_WHY_NOT, patch_size
@@ -573,6 +574,7 @@ def boost_generic(model, config: BoostConfig | None = None, *, plan=None):
 
 def _undo(model, state: BoostState) -> None:
     uninstall_loader_guards(model, state)
+    detach_step_check(model, state)
     uninstall_generic_sparse(model, state, state.extras.get(CONTEXT_KEY))
     uninstall_cache(model, state)
     _uninstall_backend(model, state)
@@ -708,6 +710,7 @@ def boost_generic_pipeline(pipe, config: BoostConfig | None = None, *, plan=None
         ctx = generic_context(model)
         if ctx is not None and ctx.sparse is not None:
             ctx.sparse.state.tracker.attach(pipe)
+        attach_step_check(model, pipe)
     install_pipeline_guards(pipe)
     return pipe
 

@@ -26,11 +26,6 @@ def _inputs(name: str, tokens: str):
     g = torch.Generator().manual_seed(1)
     if name == "ChronoEditTransformer3DModel" and tokens == "uneven":
         x["hidden_states"] = torch.randn(1, 16, 1, 10, 14, generator=g)  # 1 x 5 x 7 = 35 tokens
-    if name == "Flux2Transformer2DModel" and tokens == "uneven":
-        x["hidden_states"] = torch.randn(1, 17, 4, generator=g)
-        x["encoder_hidden_states"] = torch.randn(1, 7, 32, generator=g)
-        x["img_ids"] = torch.randint(0, 4, (1, 17, 4), generator=g)
-        x["txt_ids"] = torch.randint(0, 4, (1, 7, 4), generator=g)
     return x
 
 
@@ -40,8 +35,6 @@ CASES = {
     "chronoedit_h3_ulysses": ("ChronoEditTransformer3DModel", {"num_attention_heads": 3}, "uneven",
                               lambda w: {"ulysses_degree": w}),
     "chronoedit_ring": ("ChronoEditTransformer3DModel", {}, "uneven", lambda w: {"ring_degree": w}),
-    "flux2_ulysses": ("Flux2Transformer2DModel", {}, "uneven", lambda w: {"ulysses_degree": w}),
-    "flux2_ring": ("Flux2Transformer2DModel", {}, "uneven", lambda w: {"ring_degree": w}),
 }
 
 

@@ -117,6 +117,13 @@ def _flux():
                steps=(0.9, 0.6))
 
 
+def _flux2():
+    import _tiny_flux2 as t2
+
+    return Row("flux2", lambda dtype: t2.transformer(dtype=dtype),
+               _floats(lambda: t2.transformer_inputs(text_ids="random", reference=(2, 3))), steps=(0.9, 0.6))
+
+
 def _ltx():
     import _tiny_ltx as tl
 
@@ -160,6 +167,7 @@ ROWS = {
     "wan-ti2v-5b": _wan_ti2v_5b,
     "qwen-image": _qwen_image,
     "flux": _flux,
+    "flux2": _flux2,
     "ltx": _ltx,
     "cogvideox": _cogvideox,
     "hunyuan-video": _hunyuan_video,

@@ -24,8 +24,9 @@ def _inputs(name: str, tokens: str):
 
     x = inputs(name)
     g = torch.Generator().manual_seed(1)
-    if name == "ChronoEditTransformer3DModel" and tokens == "uneven":
-        x["hidden_states"] = torch.randn(1, 16, 1, 10, 14, generator=g)  # 1 x 5 x 7 = 35 tokens
+    if name == "HeliosTransformer3DModel" and tokens == "uneven":
+        x["hidden_states"] = torch.randn(1, 4, 1, 10, 14, generator=g)  # 1 x 5 x 7 = 35 tokens
+        x["indices_hidden_states"] = x["indices_hidden_states"][:, :1]
     if name == "Flux2Transformer2DModel" and tokens == "uneven":
         x["hidden_states"] = torch.randn(1, 17, 4, generator=g)
         x["encoder_hidden_states"] = torch.randn(1, 7, 32, generator=g)
@@ -36,10 +37,10 @@ def _inputs(name: str, tokens: str):
 
 # name -> (model class, init overrides, tokens, parallel degrees as a function of the world size)
 CASES = {
-    "chronoedit_ulysses": ("ChronoEditTransformer3DModel", {}, "uneven", lambda w: {"ulysses_degree": w}),
-    "chronoedit_h3_ulysses": ("ChronoEditTransformer3DModel", {"num_attention_heads": 3}, "uneven",
-                              lambda w: {"ulysses_degree": w}),
-    "chronoedit_ring": ("ChronoEditTransformer3DModel", {}, "uneven", lambda w: {"ring_degree": w}),
+    "helios_ulysses": ("HeliosTransformer3DModel", {}, "uneven", lambda w: {"ulysses_degree": w}),
+    "helios_h3_ulysses": ("HeliosTransformer3DModel", {"num_attention_heads": 3}, "uneven",
+                          lambda w: {"ulysses_degree": w}),
+    "helios_ring": ("HeliosTransformer3DModel", {}, "uneven", lambda w: {"ring_degree": w}),
     "flux2_ulysses": ("Flux2Transformer2DModel", {}, "uneven", lambda w: {"ulysses_degree": w}),
     "flux2_ring": ("Flux2Transformer2DModel", {}, "uneven", lambda w: {"ring_degree": w}),
 }

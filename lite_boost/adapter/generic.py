@@ -50,6 +50,7 @@ from .family import FEATURES
 from .generic_parallel import cp_plan_of, key_padding_mask as _key_padding_mask, sequence_plan
 from .generic_sparse import SPARSE_CACHE_METHODS, install_generic_sparse, latent_grid, uninstall_generic_sparse
 from .processor import DenseAttention
+from .shims import SEA_CACHE_WHY_NOT, patch_size
 
 __all__ = ["GENERIC", "class_family", "GenericAttention", "GenericFamily", "attention_problem", "boost_generic", "class_problem",
            "generic_family", "generic_pipeline_family", "installed_transformer_classes", "repeated_block_patterns",
@@ -222,7 +223,7 @@ def _cache_problems(model) -> dict[str, str]:
         problems["pyramid_attention_broadcast"] = "diffusers' hook finds no attention layer in its transformer blocks"
     if not any(n == "proj_out" for n, _ in model.named_modules()):
         problems["taylorseer_cache"] = "diffusers' default TaylorSeer layers (proj_out) are missing; pass cache_identifiers"
-    problems["sea_cache"] = "diffusers' SeaCache derives its indicator for Wan text-to-video and Cosmos only"
+    problems["sea_cache"] = SEA_CACHE_WHY_NOT
     return problems
 
 
@@ -232,23 +233,6 @@ def _registered(registry, cls) -> bool:
         return True
     except ValueError:
         return False
-
-
-def _patch_size(config) -> tuple[int, int, int] | None:
-    """(pt, ph, pw) from a model config's ``patch_size`` (int, (h, w) or (t, h, w)) and ``patch_size_t``."""
-    p = getattr(config, "patch_size", None) if config is not None else None
-    if p is None:
-        return None
-    if isinstance(p, int) and not isinstance(p, bool):
-        ph = pw = p
-        pt = getattr(config, "patch_size_t", None) or 1
-    elif isinstance(p, (list, tuple)) and len(p) in (2, 3) and all(isinstance(x, int) for x in p):
-        pt, ph, pw = (1, *p) if len(p) == 2 else p
-        if len(p) == 2:
-            pt = getattr(config, "patch_size_t", None) or 1
-    else:
-        return None
-    return (int(pt), int(ph), int(pw))
 
 
 # ----------------------------------------------------------------------------------------------- #
@@ -339,7 +323,7 @@ def generic_family(model) -> GenericFamily:
     problems = _cache_problems(model)
     methods = tuple(m for m in CACHE_METHODS if m not in problems)
     cache = CacheAdapter(methods=methods, why_not=problems) if methods else None
-    patch = _patch_size(getattr(model, "config", None))
+    patch = patch_size(getattr(model, "config", None))
     splan = sequence_plan(model)
     unsupported = {
         "cfg_parallel": "no pipeline plan on the generic path",
@@ -388,8 +372,7 @@ def class_family(cls: type, pipeline_class: str | None = None) -> GenericFamily:
     cache = None
     if issubclass(cls, CacheMixin):
         cache = CacheAdapter(methods=tuple(m for m in CACHE_METHODS if m != "sea_cache"),
-                             why_not={"sea_cache": "diffusers' SeaCache derives its indicator for Wan text-to-video "
-                                                   "and Cosmos only"})
+                             why_not={"sea_cache": SEA_CACHE_WHY_NOT})
     else:
         unsupported["step_cache"] = f"{cls.__name__} has no enable_cache (diffusers' CacheMixin)"
     return GenericFamily(model_class=cls.__name__, cache=cache, unsupported=unsupported,

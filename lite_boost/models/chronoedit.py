@@ -19,6 +19,7 @@ import math
 import torch
 
 from ..adapter import AttentionSite, ModelFamily, RopeSource
+from ..adapter.shims import patch_grid
 from ..ops.rope import RotaryEmbedding, phasors_from_complex, rope_tables
 from ..parallel.plan import CfgPlan, PipelinePlan
 from ..registry import register_family
@@ -35,8 +36,7 @@ class CachedChronoEditRope(CachedWanRope):
         _, _, frames, height, width = hidden_states.shape
         if frames != 2:
             return super().__call__(hidden_states)
-        p_t, p_h, p_w = self.rope.patch_size
-        grid = (frames // p_t, height // p_h, width // p_w)
+        grid = patch_grid((frames, height, width), self.rope.patch_size)
         self.state.grid = grid
         start, stop = self.state.serve_range(math.prod(grid))
         skip, head_dim, device = self.rope.temporal_skip_len, self.rope.attention_head_dim, hidden_states.device
@@ -77,6 +77,7 @@ CHRONOEDIT = register_family(ModelFamily(
     # Attention Broadcast runs there, but without cache_context the uncond pass cannot be told from a new generation.
     unsupported={"step_cache": "ChronoEditPipeline calls the transformer without cache_context (diffusers' block "
                                "caches fail on it too)"},
+    output="video",
     notes="Wan2.1-I2V blocks; two-frame edits take RoPE frames 0 and rope_temporal_skip_len - 1; CFG passes "
           "split by call order (the pipeline names neither)",
     reference={"name": "ChronoEdit-14B", "shape": (5, 480, 832), "vae_scale": (4, 8, 8),

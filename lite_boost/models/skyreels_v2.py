@@ -18,6 +18,7 @@ processor shim and cached RoPE apply as they are. What differs is data:
 from __future__ import annotations
 
 from ..adapter import AttentionSite, ModelFamily, RopeSource
+from ..adapter.shims import SEA_CACHE_WHY_NOT, separate_passes_why_not
 from ..cache import CacheAdapter
 from ..config import ConfigError
 from ..parallel.plan import CfgPlan, GatherOutput, PipelinePlan, ShardingPlan, SplitInput, SplitOutput
@@ -56,8 +57,7 @@ SKYREELS_V2_CACHE_ADAPTER = CacheAdapter(
     defaults=WAN_CACHE_ADAPTER.defaults,
     why_not={**{m: "diffusers registers no block metadata for SkyReelsV2TransformerBlock (stock diffusers fails too)"
                 for m in ("first_block_cache", "mag_cache")},
-             "faster_cache": WAN_CACHE_ADAPTER.why_not["faster_cache"].replace("Wan", "SkyReels-V2"),
-             "sea_cache": "diffusers' SeaCache derives its indicator for Wan text-to-video and Cosmos only"},
+             "faster_cache": separate_passes_why_not("SkyReels-V2"), "sea_cache": SEA_CACHE_WHY_NOT},
     probe_module="patch_embedding",
 )
 
@@ -77,6 +77,7 @@ SKYREELS_V2 = register_family(ModelFamily(
     tensor_parallel=WAN_TP_PLAN,
     cache=SKYREELS_V2_CACHE_ADAPTER,
     quant_patterns=WAN.quant_patterns,
+    output="video",
     notes="Wan blocks; diffusion forcing's per-frame timesteps split with the tokens; asynchronous diffusion forcing "
           "(causal_block_size > 1) runs dense on one rank (its causal mask is not sharded)",
     reference={"name": "SkyReels-V2-DF-14B-540P", "shape": (97, 544, 960), "vae_scale": (4, 8, 8),

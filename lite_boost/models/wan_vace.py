@@ -14,6 +14,7 @@ to the video tokens after the main blocks named in ``vace_layers``. So every pie
 from __future__ import annotations
 
 from ..adapter import AttentionSite, ModelFamily, RopeSource
+from ..adapter.shims import SEA_CACHE_WHY_NOT
 from ..cache import CacheAdapter
 from ..parallel.plan import PipelinePlan, ShardingPlan, SplitInput
 from ..parallel.shard import TensorParallelPlan
@@ -43,8 +44,7 @@ def _layer_offset(model) -> int:
 WAN_VACE_CACHE_ADAPTER = CacheAdapter(
     methods=tuple(m for m in WAN_CACHE_ADAPTER.methods if m != "sea_cache"),
     defaults=WAN_CACHE_ADAPTER.defaults,
-    why_not={**WAN_CACHE_ADAPTER.why_not,
-             "sea_cache": "diffusers' SeaCache derives its indicator for Wan text-to-video and Cosmos only"},
+    why_not={**WAN_CACHE_ADAPTER.why_not, "sea_cache": SEA_CACHE_WHY_NOT},
     probe_module=WAN_CACHE_ADAPTER.probe_module,
 )
 
@@ -69,6 +69,7 @@ WAN_VACE = register_family(ModelFamily(
         norms=WAN_TP_PLAN.norms + tuple(n.replace("blocks.", "vace_blocks.", 1) for n in WAN_TP_PLAN.norms)),
     cache=WAN_VACE_CACHE_ADAPTER,
     quant_patterns=("blocks.*", "vace_blocks.*"),
+    output="video",
     notes="Wan blocks plus context blocks over the control tokens (same grid, same RoPE); control tokens split "
           "with the video tokens",
     reference={"name": "Wan2.1-VACE-14B", "shape": (81, 480, 832), "vae_scale": (4, 8, 8),

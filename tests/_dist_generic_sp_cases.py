@@ -24,9 +24,8 @@ def _inputs(name: str, tokens: str):
 
     x = inputs(name)
     g = torch.Generator().manual_seed(1)
-    if name == "HeliosTransformer3DModel" and tokens == "uneven":
-        x["hidden_states"] = torch.randn(1, 4, 1, 10, 14, generator=g)  # 1 x 5 x 7 = 35 tokens
-        x["indices_hidden_states"] = x["indices_hidden_states"][:, :1]
+    if name == "ChronoEditTransformer3DModel" and tokens == "uneven":
+        x["hidden_states"] = torch.randn(1, 16, 1, 10, 14, generator=g)  # 1 x 5 x 7 = 35 tokens
     if name == "Flux2Transformer2DModel" and tokens == "uneven":
         x["hidden_states"] = torch.randn(1, 17, 4, generator=g)
         x["encoder_hidden_states"] = torch.randn(1, 7, 32, generator=g)
@@ -37,10 +36,10 @@ def _inputs(name: str, tokens: str):
 
 # name -> (model class, init overrides, tokens, parallel degrees as a function of the world size)
 CASES = {
-    "helios_ulysses": ("HeliosTransformer3DModel", {}, "uneven", lambda w: {"ulysses_degree": w}),
-    "helios_h3_ulysses": ("HeliosTransformer3DModel", {"num_attention_heads": 3}, "uneven",
-                          lambda w: {"ulysses_degree": w}),
-    "helios_ring": ("HeliosTransformer3DModel", {}, "uneven", lambda w: {"ring_degree": w}),
+    "chronoedit_ulysses": ("ChronoEditTransformer3DModel", {}, "uneven", lambda w: {"ulysses_degree": w}),
+    "chronoedit_h3_ulysses": ("ChronoEditTransformer3DModel", {"num_attention_heads": 3}, "uneven",
+                              lambda w: {"ulysses_degree": w}),
+    "chronoedit_ring": ("ChronoEditTransformer3DModel", {}, "uneven", lambda w: {"ring_degree": w}),
     "flux2_ulysses": ("Flux2Transformer2DModel", {}, "uneven", lambda w: {"ulysses_degree": w}),
     "flux2_ring": ("Flux2Transformer2DModel", {}, "uneven", lambda w: {"ring_degree": w}),
 }
@@ -70,6 +69,14 @@ def run_case(name, mesh_for, world):
 def run_all(rank, world_size, init_method):
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
+    from lite_boost import registry
+
+    # ChronoEdit has a family (lite_boost.models.chronoedit); here it stands for a model without one (this rank's
+    # process only)
+    registry.load_builtin_adapters()
+    family = registry._FAMILIES.pop("chronoedit")
+    for cls in (*family.transformers, *family.pipelines):
+        registry.SUPPORTED_MODELS.pop(cls)
     from lite_boost.parallel import initialize_usp
 
     meshes = {}

@@ -42,6 +42,8 @@ CASES = {
     "vace_ulysses": ("wan-vace", None, lambda w: {"ulysses_degree": w}, None, dict(height=80, width=112), (3,)),
     "vace_ring_sparse08": ("wan-vace", None, lambda w: {"ring_degree": w}, SPARSE, dict(num_frames=9), (2,)),
     "vace_cfg2": ("wan-vace", None, lambda w: {"cfg_degree": 2}, None, dict(output_type="pt"), (2,)),
+    # Wan Animate: CFG parallel (the uncond pass blanks the face video); no sequence parallelism (refused)
+    "animate_cfg2": ("wan-animate", None, lambda w: {"cfg_degree": 2}, None, dict(output_type="pt"), (2,)),
 }
 
 

@@ -25,6 +25,9 @@ FAMILIES = {
     "wan-vace": ("WanVACETransformer3DModel", dict(in_channels=16, out_channels=16, text_dim=32, freq_dim=32,
                                                    num_layers=3, vace_layers=[0, 2], vace_in_channels=96),
                  {"v2v": "WanVACEPipeline"}),
+    # Wan2.1-I2V channels (16 latent + 20 reference), pose latents of 16 channels, 16 x 16 face video
+    "wan-animate": ("WanAnimateTransformer3DModel", dict(in_channels=36, latent_channels=16, out_channels=16,
+                                                         text_dim=32, image_dim=4), {"animate": "WanAnimatePipeline"}),
 }
 
 
@@ -47,6 +50,10 @@ def transformer_inputs(family: str, frames: int = 3, batch: int = 1, seed: int =
     if per_frame:
         kw["timestep"] = (torch.rand(batch, frames, generator=g) * 900).round()
         kw["enable_diffusion_forcing"] = True
+    if getattr(cfg, "motion_encoder_size", None):  # Wan Animate: pose latents (frames 1..F), 4 (F - 1) - 3 face frames
+        kw["pose_hidden_states"] = torch.randn(batch, cfg.latent_channels, frames - 1, 10, 14, generator=g)
+        size = cfg.motion_encoder_size
+        kw["face_pixel_values"] = torch.rand(batch, 3, 4 * (frames - 1) - 3, size, size, generator=g) * 2 - 1
     if getattr(cfg, "vace_in_channels", None):  # Wan VACE: control latents on the video grid, a scale per layer
         kw["control_hidden_states"] = torch.randn(batch, cfg.vace_in_channels, frames, 10, 14, generator=g)
         kw["control_hidden_states_scale"] = torch.tensor([1.0, 0.5])
@@ -65,10 +72,10 @@ def pipeline(family: str, kind: str | None = None, seed: int = 0):
 
     kinds = FAMILIES[family][2]
     name = kinds[kind or next(iter(kinds))]
-    base = tiny_wan_pipeline("i2v" if family == "chronoedit" else "t2v", seed=seed)
+    base = tiny_wan_pipeline("i2v" if family in ("chronoedit", "wan-animate") else "t2v", seed=seed)
     parts = dict(tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=base.vae, scheduler=base.scheduler,
                  transformer=transformer(family, seed=seed + 2))
-    if family == "chronoedit":
+    if family in ("chronoedit", "wan-animate"):
         parts.update(image_encoder=base.image_encoder, image_processor=base.image_processor)
     if family in ("chronoedit", "skyreels-v2"):  # their released schedulers (ChronoEdit's temporal reasoning needs it)
         parts["scheduler"] = diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
@@ -84,11 +91,19 @@ def call_kwargs(family: str, kind: str | None = None, *, height=48, width=80, nu
     kw = dict(prompt="a red fox runs through fresh snow", negative_prompt="blurry low quality", height=height,
               width=width, num_frames=num_frames, num_inference_steps=steps, guidance_scale=guidance_scale,
               generator=torch.Generator().manual_seed(seed), output_type=output_type)
-    if family == "chronoedit":
+    rng = np.random.RandomState(seed)
+
+    def image(h, w):
         import PIL.Image
 
-        rng = np.random.RandomState(seed)
-        kw["image"] = PIL.Image.fromarray((rng.rand(height, width, 3) * 255).astype("uint8"))
+        return PIL.Image.fromarray((rng.rand(h, w, 3) * 255).astype("uint8"))
+
+    if family in ("chronoedit", "wan-animate"):
+        kw["image"] = image(height, width)
+    if family == "wan-animate":  # pose and face videos of one segment; guidance 2 (its outputs are ~15 in size)
+        kw.update(pose_video=[image(height, width) for _ in range(num_frames)], segment_frame_length=num_frames,
+                  face_video=[image(16, 16) for _ in range(num_frames)], guidance_scale=2.0)
+        del kw["num_frames"]
     if family == "wan-vace":  # a control video and a mask (one frame kept, the rest generated)
         import PIL.Image
 

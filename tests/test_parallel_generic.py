@@ -1,7 +1,7 @@
 """Sequence parallelism on the generic path: a diffusers ``_cp_plan`` executed with lite_boost's Ulysses / Ring.
 
-Parity: tiny Helios and Flux.2 transformers (generic path, diffusers' own ``_cp_plan``) under
-``ParallelManager`` at 2 and 3 gloo ranks, token counts that do not divide the world size (35 video tokens;
+Parity: tiny ChronoEdit (its family unregistered in the ranks) and Flux.2 transformers (generic path, diffusers'
+own ``_cp_plan``) under ``ParallelManager`` at 2 and 3 gloo ranks, token counts that do not divide the world size (35 video tokens;
 17 image + 7 text tokens, split separately and concatenated by the processor), 2 or 3 heads (fewer heads
 than ranks at 3), against the stock model's one-process output; one spawn per world size runs every case.
 Refusal: a generic model without a plan gets a PlanError naming what is missing and how to supply it,
@@ -62,7 +62,7 @@ def test_model_without_cp_plan_is_refused_before_any_collective(monkeypatch):
 def test_generic_records_say_which_classes_run_sequence_parallel():
     from lite_boost.adapter.generic import class_family, generic_family
 
-    assert class_family(model_class("HeliosTransformer3DModel")).supports("sequence_parallel")
+    assert class_family(model_class("ChronoEditTransformer3DModel")).supports("sequence_parallel")
     assert class_family(model_class("Flux2Transformer2DModel")).supports("sequence_parallel")
     bria = generic_family(build("BriaTransformer2DModel"))
     assert not bria.supports("sequence_parallel")
@@ -72,7 +72,7 @@ def test_generic_records_say_which_classes_run_sequence_parallel():
 def test_cp_plan_naming_a_missing_module_is_refused():
     from lite_boost.adapter.generic_parallel import sequence_plan
 
-    model = build("HeliosTransformer3DModel")
+    model = build("ChronoEditTransformer3DModel")
     plan = sequence_plan(model)
     plan.check(model)  # diffusers' own plan fits
     from diffusers.models._modeling_parallel import ContextParallelInput

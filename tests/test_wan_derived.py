@@ -1,4 +1,4 @@
-"""The Wan-derived families (ChronoEdit, SkyReels-V2, Wan VACE) against stock diffusers, one table of families.
+"""The Wan-derived families (ChronoEdit, SkyReels-V2, Wan VACE, Wan Animate) against stock diffusers, one table.
 
 Each family's tiny pipeline (``_tiny_wan_derived``: 3 heads, odd token planes, CFG on) boosted = stock within
 1e-5 (fp32), and back to stock after unboost; the transformer alone at awkward shapes (batch 2, odd grids);
@@ -28,6 +28,7 @@ PIPELINES = [
     # asynchronous diffusion forcing: per-frame timesteps, 5 x 3 x 5 tokens, the causal mask of 2-frame blocks
     ("skyreels-v2", "df", dict(num_frames=17, base_num_frames=17, causal_block_size=2, ar_step=1)),
     ("wan-vace", None, dict(height=80, width=48)),  # control video and mask, 2 x 5 x 3 tokens
+    ("wan-animate", None, {}),  # reference frame + 2 frames of pose / face, 3 x 3 x 5 tokens
 ]
 FAMILIES = sorted({f for f, _, _ in PIPELINES})
 # family -> (transformer input frame counts, the step cache offered and its stock diffusers config)
@@ -59,9 +60,12 @@ def _fbc(pipe):
 # pipeline sets no cache_context)
 CACHES = {"skyreels-v2": ("t2v", "taylorseer_cache", {"cache_interval": 2, "disable_cache_before_step": 1,
                                                      "taylor_factors_dtype": "float32"}, _taylorseer),
-          "wan-vace": (None, "first_block_cache", {"threshold": 0.5}, _fbc)}
+          "wan-vace": (None, "first_block_cache", {"threshold": 0.5}, _fbc),
+          "wan-animate": (None, "taylorseer_cache", {"cache_interval": 2, "disable_cache_before_step": 1,
+                                                     "taylor_factors_dtype": "float32"}, _taylorseer)}
 # family -> direct transformer calls: (frames, per-frame timesteps)
-FRAMES = {"chronoedit": ((2, False), (3, False)), "skyreels-v2": ((3, False), (3, True)), "wan-vace": ((3, False),)}
+FRAMES = {"chronoedit": ((2, False), (3, False)), "skyreels-v2": ((3, False), (3, True)), "wan-vace": ((3, False),),
+          "wan-animate": ((3, False),)}
 
 
 def _frames(pipe, family, kind=None, **over):
@@ -142,7 +146,7 @@ def test_step_cache_refusals_name_the_reason():
 
 
 @pytest.mark.parametrize("family, frames, per_frame", [("chronoedit", 2, False), ("skyreels-v2", 3, True),
-                                                        ("wan-vace", 2, False)])
+                                                        ("wan-vace", 2, False), ("wan-animate", 3, False)])
 def test_explain_reports_no_graph_break(family, frames, per_frame, fresh_dynamo):
     model = lite_boost.boost(tiny.transformer(family), BoostConfig(sparse=SparseConfig(sparsity=0.8, block_size=4,
                                                                                       backend="gather")))
@@ -150,6 +154,17 @@ def test_explain_reports_no_graph_break(family, frames, per_frame, fresh_dynamo)
         report = torch._dynamo.explain(model)(**tiny.transformer_inputs(family, frames=frames, per_frame=per_frame))
     reasons = [r.reason.splitlines()[0] for r in report.break_reasons]
     assert report.graph_break_count == 0 and report.graph_count == 1, reasons
+
+
+def test_wan_animate_sequence_parallel_is_refused_before_any_collective(monkeypatch):
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    pipe = tiny.pipeline("wan-animate")
+    from lite_boost.parallel.plan import PlanError
+
+    with pytest.raises(PlanError, match=r"WanAnimateTransformer3DModel has no sequence-parallel sharding plan"):
+        lite_boost.ParallelManager(pipe, {"parallel": {"ulysses_degree": 2}})
+    assert not lite_boost.api.is_boosted(pipe) and not torch.distributed.is_initialized()
 
 
 # --------------------------------------------------------------------------------------------- parallel

@@ -27,3 +27,4 @@ from . import hunyuan_video15_vae  # noqa: E402,F401  (registers the HunyuanVide
 from . import chronoedit  # noqa: E402,F401  (registers the ChronoEdit family)
 from . import skyreels_v2  # noqa: E402,F401  (registers the SkyReels-V2 family)
 from . import wan_vace  # noqa: E402,F401  (registers the Wan VACE family)
+from . import wan_animate  # noqa: E402,F401  (registers the Wan Animate family)

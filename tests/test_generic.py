@@ -121,30 +121,6 @@ def test_generic_unboost_restores_processors_and_registry():
 
 
 @torch.no_grad()
-def test_generic_save_load_and_to(tmp_path):
-    stock, model = _pair()
-    model.save_pretrained(tmp_path)
-    loaded = lite_boost.boost(type(stock).from_pretrained(tmp_path).eval())
-    ref = _first(stock(**inputs(GEN)))
-    assert (_first(loaded(**inputs(GEN))) - ref).abs().max().item() <= TOL
-    model.to(torch.float64).to(torch.float32)
-    assert (_first(model(**inputs(GEN))) - ref).abs().max().item() <= TOL
-
-
-@torch.no_grad()
-def test_generic_regional_compile_fullgraph_equals_eager():
-    """compile_repeated_blocks(fullgraph=True): no graph break in a block (the only code the boost changes)."""
-    stock, model = _pair()
-    x = inputs(GEN)
-    eager = _first(model(**x))
-    model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
-    try:
-        assert (_first(model(**x)) - eager).abs().max().item() <= TOL
-    finally:
-        torch._dynamo.reset()
-
-
-@torch.no_grad()
 def test_generic_first_block_cache_equals_diffusers_hook():
     from diffusers.hooks import FirstBlockCacheConfig
 

@@ -48,6 +48,8 @@ from .boost import STATE_ATTR, BoostState, check_attention_precision
 from .cache import install_cache, uninstall_cache
 from .family import FEATURES
 from .generic_parallel import cp_plan_of, key_padding_mask as _key_padding_mask, sequence_plan
+from .loaders import AFTER_SWAP_KEY, install_loader_guards, install_pipeline_guards, uninstall_loader_guards, uninstall_pipeline_guards
+from .steps import attach_step_check, detach_step_check
 from .generic_sparse import SPARSE_CACHE_METHODS, install_generic_sparse, latent_grid, uninstall_generic_sparse
 from .processor import DenseAttention
 from .shims import SEA_CACHE_WHY_NOT, patch_size
@@ -496,12 +498,31 @@ def _install_backend(model, state: BoostState) -> None:
         proc._attention_backend = name
     state.extras[CONTEXT_KEY] = ctx
     state.extras["generic_backends"] = list(originals.values())
+    state.extras[AFTER_SWAP_KEY] = repoint_processors  # a processor swap on the boosted model keeps this backend
 
 
 _ABSENT = object()
 
 
+def repoint_processors(model, state: BoostState) -> None:
+    """After a processor swap on a boosted model: the new processors that go through diffusers' dispatcher take
+    this model's lite_boost backend too (their previous value kept for ``unboost``), as at boost time."""
+    ctx = state.extras.get(CONTEXT_KEY)
+    if ctx is None or ctx.name is None:
+        return
+    recorded = state.extras.setdefault("generic_backends", [])
+    seen = {id(p) for p, _ in recorded}
+    for _, module in _attention_modules(model):
+        proc = module.processor
+        if id(proc) in seen or not _processor_dispatches(type(proc)):
+            continue
+        seen.add(id(proc))
+        recorded.append((proc, proc.__dict__.get("_attention_backend", _ABSENT)))
+        proc._attention_backend = ctx.name
+
+
 def _uninstall_backend(model, state: BoostState) -> None:
+    state.extras.pop(AFTER_SWAP_KEY, None)
     for proc, previous in state.extras.pop("generic_backends", ()):
         if previous is _ABSENT:
             proc.__dict__.pop("_attention_backend", None)
@@ -543,6 +564,7 @@ def boost_generic(model, config: BoostConfig | None = None, *, plan=None):
         _install_backend(model, state)
         install_generic_sparse(model, state, state.extras[CONTEXT_KEY])
         install_cache(model, state, checked=plan is not None)
+        install_loader_guards(model, state)
     except BaseException:
         _undo(model, state)
         raise
@@ -551,6 +573,8 @@ def boost_generic(model, config: BoostConfig | None = None, *, plan=None):
 
 
 def _undo(model, state: BoostState) -> None:
+    uninstall_loader_guards(model, state)
+    detach_step_check(model, state)
     uninstall_generic_sparse(model, state, state.extras.get(CONTEXT_KEY))
     uninstall_cache(model, state)
     _uninstall_backend(model, state)
@@ -686,6 +710,8 @@ def boost_generic_pipeline(pipe, config: BoostConfig | None = None, *, plan=None
         ctx = generic_context(model)
         if ctx is not None and ctx.sparse is not None:
             ctx.sparse.state.tracker.attach(pipe)
+        attach_step_check(model, pipe)
+    install_pipeline_guards(pipe)
     return pipe
 
 
@@ -693,6 +719,7 @@ def unboost_generic_pipeline(pipe):
     for _, model in pipeline_transformers(pipe):
         fn = lookup(model)
         fn.unboost(model)
+    uninstall_pipeline_guards(pipe)
     return pipe
 
 

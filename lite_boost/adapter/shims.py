@@ -1,6 +1,8 @@
 """Pieces the family shims share (``lite_boost/models/<family>.py``), one of each.
 
 * :func:`call_arg`: an argument of a transformer (or module) call, by keyword or by position.
+* :func:`packed_output_shape`: the output shape of a transformer call on packed (B, S, C) tokens
+  (a ``CfgPlan(output_shape=...)``).
 * :func:`patch_size`, :func:`patch_grid`, :func:`video_token_grid`: the latent token grid
   arithmetic (a config's or a RoPE module's patch sizes; the grid of a 5-D latent).
 * :func:`norm_qk`: a diffusers attention module's optional q / k norms (image or added text stream).
@@ -19,7 +21,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-__all__ = ["call_arg", "patch_size", "patch_grid", "video_token_grid", "norm_qk", "CachedRope",
+__all__ = ["call_arg", "packed_output_shape", "patch_size", "patch_grid", "video_token_grid", "norm_qk", "CachedRope",
            "SEA_CACHE_WHY_NOT", "separate_passes_why_not"]
 
 
@@ -31,6 +33,13 @@ def call_arg(args: Sequence[Any], kwargs: dict, name: str, index: int | None = N
     if index is not None and len(args) > index:
         return args[index]
     return None
+
+
+def packed_output_shape(model, args, kwargs) -> tuple[int, ...]:
+    """The output (B, tokens, ``proj_out.out_features``) of a transformer call on packed (B, S, C)
+    ``hidden_states``: what a ``CfgPlan(output_shape=...)`` of such a model returns."""
+    hidden = call_arg(args, kwargs, "hidden_states", 0)
+    return (*hidden.shape[:2], model.proj_out.out_features)
 
 
 # ------------------------------------------------------------------------------------------ patch grid

@@ -34,7 +34,8 @@ from typing import NamedTuple
 import torch
 
 from ..adapter import AttentionSite, BoostState, DenseAttention, LiteBoostProcessor, ModelFamily, RopeSource, rotate_qk
-from ..adapter.shims import SEA_CACHE_WHY_NOT, CachedRope, call_arg, norm_qk, separate_passes_why_not
+from ..adapter.shims import (SEA_CACHE_WHY_NOT, CachedRope, call_arg, norm_qk, packed_output_shape,
+                             separate_passes_why_not)
 from ..cache import CacheAdapter
 from ..ops.joint import JointTokens
 from ..ops.rope import RotaryEmbedding, phasors_from_cos_sin
@@ -257,10 +258,7 @@ def _token_grid(model, args, kwargs):
     return memo[key]
 
 
-def _output_shape(model, args, kwargs):
-    """The transformer output (B, image tokens, patch * patch * out_channels) of a call."""
-    hidden = call_arg(args, kwargs, "hidden_states", 0)
-    return (*hidden.shape[:2], model.proj_out.out_features)
+_output_shape = packed_output_shape  # (B, image tokens, patch * patch * out_channels)
 
 
 FLUX_SHARDING_PLAN = ShardingPlan(

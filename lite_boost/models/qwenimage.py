@@ -27,7 +27,8 @@ import math
 import torch
 
 from ..adapter import AttentionSite, LiteBoostProcessor, ModelFamily, RopeSource, TinyPipeline, rotate_qk
-from ..adapter.shims import SEA_CACHE_WHY_NOT, CachedRope, call_arg, norm_qk, separate_passes_why_not
+from ..adapter.shims import (SEA_CACHE_WHY_NOT, CachedRope, call_arg, norm_qk, packed_output_shape,
+                             separate_passes_why_not)
 from ..cache import CacheAdapter
 from ..ops.joint import JointTokens
 from ..ops.rope import phasors_from_complex
@@ -128,10 +129,7 @@ def _token_grid(model, args, kwargs):
     return sum(f for f, _, _ in shapes), shapes[0][1], shapes[0][2]
 
 
-def _output_shape(model, args, kwargs):
-    """The transformer output (B, image tokens, patch * patch * out_channels) of a call."""
-    hidden = call_arg(args, kwargs, "hidden_states", 0)
-    return (*hidden.shape[:2], model.proj_out.out_features)
+_output_shape = packed_output_shape  # (B, image tokens, patch * patch * out_channels)
 
 
 QWEN_SHARDING_PLAN = ShardingPlan(

@@ -151,8 +151,10 @@ def _hunyuan_video_15():
 def _generic():
     from _diffusers_tiny import build, inputs
 
-    name = "SkyReelsV2Transformer3DModel"  # a Wan-like video DiT with no family of its own: the generic path
-    return Row("generic", lambda dtype: build(name).to(dtype), _floats(lambda: inputs(name)))
+    # a Flux-derived image DiT with no family of its own (diffusers' tiny config and inputs): the generic path
+    name = "ChromaTransformer2DModel"
+    return Row("generic", lambda dtype: build(name).to(dtype),
+               _floats(lambda: inputs(name), keep=("timestep", "img_ids", "txt_ids")), steps=(0.9, 0.6))
 
 
 ROWS = {

@@ -187,7 +187,7 @@ def test_flux_ip_adapter_on_boosted_pipeline_is_refused_before_anything_changes(
 
 
 # ----------------------------------------------------------------------------------- the generic path
-GEN = "SkyReelsV2Transformer3DModel"  # no family of its own: boosted through diffusers' dispatcher
+GEN = "SkyReelsV2Transformer3DModel"  # run without its family: boosted through diffusers' dispatcher
 
 
 def _first(out):
@@ -195,8 +195,11 @@ def _first(out):
 
 
 @torch.no_grad()
-def test_generic_lora_and_processor_swap_equal_stock():
+def test_generic_lora_and_processor_swap_equal_stock(monkeypatch):
     from _diffusers_tiny import build, inputs
+    from conftest import without_family
+
+    without_family(monkeypatch, "skyreels-v2")  # SkyReels-V2 has a family: run it as a model without one
 
     from lite_boost.adapter.generic import generic_context
 
@@ -233,3 +236,82 @@ def test_generic_lora_and_processor_swap_equal_stock():
     for m in (stock, model):
         m.unload_lora()
     assert _diff(_first(model(**x)), _first(stock(**x))) == 0
+
+
+# ------------------------------------------------------------------------- every family: LoRA on the model
+FAMILY_MODELS = ["WanTransformer3DModel", "FluxTransformer2DModel", "QwenImageTransformer2DModel",
+                 "HunyuanVideoTransformer3DModel", "LTXVideoTransformer3DModel", "CogVideoXTransformer3DModel",
+                 "HunyuanVideo15Transformer3DModel"]
+
+
+@pytest.mark.parametrize("name", FAMILY_MODELS)
+@torch.no_grad()
+def test_family_model_lora_before_and_after_boost_equals_stock(name):
+    """diffusers' own tiny config of each family's transformer: a LoRA on every attention projection, loaded after
+    boosting (and then a second one, loaded before a re-boost with another config), equals stock with the same."""
+    from _diffusers_tiny import build, inputs
+
+    from lite_boost.registry import family_of
+
+    stock = build(name)
+    assert family_of(stock) is not None and family_of(stock).name != "generic"
+    model = lite_boost.boost(copy.deepcopy(stock))
+    x = inputs(name)
+    base = _first(stock(**x))
+    targets = ["to_q", "to_k", "to_v", "to_out.0"]
+    for m in (stock, model):
+        m.load_lora_adapter(lora_state_dict(stock, 8, targets=targets, prefix=None), adapter_name="a", prefix=None)
+    ref = _first(stock(**x))
+    assert _diff(ref, base) > 1e-4 and _diff(_first(model(**x)), ref) <= TOL
+    lite_boost.unboost(model)
+    for m in (stock, model):
+        m.load_lora_adapter(lora_state_dict(stock, 9, targets=["to_q", "to_v"], prefix=None), adapter_name="b",
+                            prefix=None)
+        m.set_adapters(["a", "b"], weights=[0.5, 1.0])
+    lite_boost.boost(model, {"rope_cache_size": 4})
+    ref2 = _first(stock(**x))
+    assert _diff(ref2, ref) > 1e-4
+    assert _diff(_first(model(**x)), ref2) <= TOL
+
+
+@torch.no_grad()
+def test_lora_on_boosted_model_compiles_without_graph_breaks():
+    """Regional compile (fullgraph=True) of a boosted Wan transformer with two LoRAs equals eager; set_adapters after
+    compiling still takes effect (a recompile, not a stale graph)."""
+    from _diffusers_tiny import build, inputs
+
+    name = "WanTransformer3DModel"
+    stock = build(name)
+    model = lite_boost.boost(copy.deepcopy(stock))
+    for m in (stock, model):
+        m.load_lora_adapter(lora_state_dict(stock, 10, prefix=None), adapter_name="a", prefix=None)
+        m.load_lora_adapter(lora_state_dict(stock, 11, prefix=None), adapter_name="b", prefix=None)
+        m.set_adapters(["a", "b"], weights=[1.0, 0.5])
+    x = inputs(name)
+    model.compile_repeated_blocks(fullgraph=True, backend="eager")
+    assert _diff(_first(model(**x)), _first(stock(**x))) <= TOL
+    for m in (stock, model):
+        m.set_adapters("b")
+    assert _diff(_first(model(**x)), _first(stock(**x))) <= TOL
+
+
+@torch.no_grad()
+def test_flux_controlnet_residuals_on_boosted_transformer_equal_stock():
+    """A ControlNet runs stock; its block residuals enter the boosted transformer through diffusers' forward."""
+    from diffusers import FluxControlNetModel
+
+    from _diffusers_tiny import build, init_dict, inputs
+
+    name = "FluxTransformer2DModel"
+    stock = build(name)
+    model = lite_boost.boost(copy.deepcopy(stock))
+    x = inputs(name)
+    torch.manual_seed(3)
+    controlnet = FluxControlNetModel(**init_dict(name)).eval()
+    for p in controlnet.parameters():
+        p.normal_(0, 0.1)  # diffusers zero-initialises the residual projections: make them count
+    blocks, single = controlnet(**x, controlnet_cond=torch.randn(x["hidden_states"].shape), return_dict=False)
+    kw = dict(controlnet_block_samples=blocks, controlnet_single_block_samples=single)
+    ref = stock(**x, **kw).sample
+    assert _diff(ref, stock(**x).sample) > 1e-3
+    assert _diff(model(**x, **kw).sample, ref) <= TOL

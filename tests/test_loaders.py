@@ -159,6 +159,8 @@ def test_family_processor_swap_and_backend_switch_are_refused():
             model.set_attn_processor(WanAttnProcessor())
     with pytest.raises(LoaderError, match=r"set_attention_backend: .*attention_backend=None"):
         model.set_attention_backend("native")
+    with pytest.raises(LoaderError, match=r"reset_attention_backend: .*attention_backend=None"):
+        model.reset_attention_backend()
     assert [m.processor for m in model.modules() if hasattr(m, "set_processor")] == procs
     assert _diff(_run(pipe), ref) == 0
     lite_boost.unboost(pipe)  # the guards go with the boost
@@ -230,6 +232,9 @@ def test_generic_lora_and_processor_swap_equal_stock(monkeypatch):
     assert _diff(_first(model(**x)), _first(stock(**x))) <= TOL and calls
     with pytest.raises(LoaderError, match=r"set_attention_backend: .*the generic path"):
         model.set_attention_backend("native")
+    with pytest.raises(LoaderError, match=r"reset_attention_backend: .*the generic path"):
+        model.reset_attention_backend()
+    assert all(p._attention_backend is ctx.name for p in model.attn_processors.values())
     ctx.self_attn_fn = inner
     lite_boost.unboost(model)
     assert all(p._attention_backend is None for p in model.attn_processors.values())

@@ -18,8 +18,9 @@ naming the boost option and what to do:
   as the old ones did (diffusers' processors keep doing the projections, norms and RoPE).
 * ``load_lora_weights`` / ``load_lora_adapter`` / ``fuse_lora`` on a model whose weights ParallelManager split
   (tensor parallelism, FSDP2): the LoRA's layers are made for whole weights. Load LoRAs before ParallelManager.
-* ``set_attention_backend``: lite_boost chose the backend (``BoostConfig.attention_backend``); a second
-  choice would silently switch lite_boost off (generic path) or be ignored (family processors).
+* ``set_attention_backend`` / ``reset_attention_backend``: lite_boost chose the backend
+  (``BoostConfig.attention_backend``); a second choice would silently switch lite_boost off (generic path) or
+  be ignored (family processors).
 
 The guards are instance attributes of the boosted model (and pipeline), removed by ``unboost``; diffusers'
 classes are untouched.
@@ -38,7 +39,7 @@ GUARDS_KEY = "loader_guards"
 AFTER_SWAP_KEY = "after_processor_swap"  # state.extras: fn(model, state) run after a processor swap was taken
 _PIPELINE_TRANSFORMERS = ("transformer", "transformer_2")
 _MODEL_METHODS = ("load_lora_adapter", "fuse_lora", "unfuse_lora", "set_attn_processor", "set_attention_backend",
-                  "_load_ip_adapter_weights")
+                  "reset_attention_backend", "_load_ip_adapter_weights")
 _PIPELINE_METHODS = ("load_lora_weights", "fuse_lora", "unfuse_lora", "load_ip_adapter")
 
 
@@ -128,15 +129,24 @@ def _set_attn_processor(model, prior, *args, **kwargs):
     return out
 
 
-def _set_attention_backend(model, prior, *args, **kwargs):
+def _check_backend_switch(model, what: str) -> None:
     state = _state(model)
     if state is not None:
         raise LoaderError(
-            f"set_attention_backend: {_who(model, state)}, which chose the attention backend itself "
+            f"{what}: {_who(model, state)}, which chose the attention backend itself "
             f"(BoostConfig.attention_backend={state.config.attention_backend!r}). Boost with "
             "attention_backend=... to pick lite_boost's backend, or call lite_boost.unboost(...) first to use one of "
             "diffusers' backends")
+
+
+def _set_attention_backend(model, prior, *args, **kwargs):
+    _check_backend_switch(model, "set_attention_backend")
     return _call(model, "set_attention_backend", prior, args, kwargs)
+
+
+def _reset_attention_backend(model, prior, *args, **kwargs):
+    _check_backend_switch(model, "reset_attention_backend")
+    return _call(model, "reset_attention_backend", prior, args, kwargs)
 
 
 def _load_ip_adapter_weights(model, prior, *args, **kwargs):
@@ -146,7 +156,8 @@ def _load_ip_adapter_weights(model, prior, *args, **kwargs):
 
 _GUARDS = {"load_lora_adapter": _load_lora_adapter, "fuse_lora": _fuse_lora, "unfuse_lora": _unfuse_lora,
            "set_attn_processor": _set_attn_processor,
-           "set_attention_backend": _set_attention_backend, "_load_ip_adapter_weights": _load_ip_adapter_weights}
+           "set_attention_backend": _set_attention_backend, "reset_attention_backend": _reset_attention_backend,
+           "_load_ip_adapter_weights": _load_ip_adapter_weights}
 
 
 def _install(obj, names, guards, store: dict) -> None:

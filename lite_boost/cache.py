@@ -28,6 +28,7 @@ This module imports neither diffusers nor torch.distributed at import time.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -46,6 +47,7 @@ __all__ = [
     "check_cache_support",
     "check_not_cached",
     "count_block_work",
+    "step_count_problem",
 ]
 
 
@@ -498,6 +500,53 @@ class FirstBlockDecision:
         compute = stat > self.hook.threshold
         self.log.append(CacheDecision(name, call, stat, compute))
         return compute
+
+
+def step_count_problem(method: str, cfg, steps: int, timesteps=None) -> tuple[str | None, bool]:
+    """Why diffusers' cache hook ``cfg`` (the config object the model runs, e.g. ``model._cache_config``) of
+    ``method`` would skip nothing in a run of ``steps`` denoising steps (``timesteps``: the scheduler's, for the
+    timestep-ranged methods), or would compute wrong results; returns (reason or None, wrong: True when the run
+    would compute wrongly rather than just unaccelerated)."""
+    get = functools.partial(getattr, cfg)
+    where = f"cache {method}"
+    if method == "mag_cache" and not get("calibrate", False) and get("num_inference_steps", steps) != steps:
+        return (f"{where}: num_inference_steps={get('num_inference_steps')} but this run has {steps} steps (MagCache "
+                f"indexes its mag_ratios by step and restarts after num_inference_steps); pass "
+                f"num_inference_steps={steps} with mag_ratios calibrated for {steps} steps "
+                f"(CacheConfig(method='mag_cache', params={{'calibrate': True, 'num_inference_steps': {steps}}}) "
+                "prints them)"), True
+    if steps < 2:
+        return f"{where}: a run of {steps} step computes every step (a cache reuses an earlier step's work)", False
+    if method == "mag_cache" and not get("calibrate", False):
+        keep = int(get("retention_ratio", 0.2) * steps + 0.5)
+        if max(keep, 1) >= steps:
+            return (f"{where}: retention_ratio={get('retention_ratio')} keeps the first {keep} of {steps} steps "
+                    "uncached, so nothing is skipped; lower retention_ratio"), False
+    if method == "taylorseer_cache":
+        before, interval, after = get("disable_cache_before_step", 3), get("cache_interval", 5), \
+            get("disable_cache_after_step", None)
+        end = steps if after is None else min(steps, after)
+        if interval < 2 or before >= end:
+            return (f"{where}: with disable_cache_before_step={before}, cache_interval={interval}, "
+                    f"disable_cache_after_step={after} every one of the {steps} steps is computed, nothing is "
+                    f"predicted; lower disable_cache_before_step below {end} (and cache_interval >= 2)"), False
+    if method == "sea_cache":
+        first, end = max(get("retention_steps", 1), 1), steps - get("cache_end_steps", 1)
+        if first >= end:
+            return (f"{where}: retention_steps={get('retention_steps')} and cache_end_steps={get('cache_end_steps')} "
+                    f"leave no step of {steps} that may be cached; lower them"), False
+    if method == "pyramid_attention_broadcast" and timesteps is not None:
+        ranges = [(k, r) for k in ("spatial", "temporal", "cross")
+                  if get(f"{k}_attention_block_skip_range", None) not in (None, 1)
+                  and (r := get(f"{k}_attention_timestep_skip_range", None)) is not None]
+        later = [float(t) for t in list(timesteps)[1:]]  # the first call always computes
+        if not any(lo < t < hi for _, (lo, hi) in ranges for t in later):
+            shown = ", ".join(f"{t:.0f}" for t in later)
+            return (f"{where}: none of this run's timesteps after the first ({shown}) lies in a "
+                    f"*_attention_timestep_skip_range with a block skip range >= 2 "
+                    f"({', '.join(f'{k}: {r}' for k, r in ranges) or 'none set'}), so no attention output is reused; "
+                    "widen the timestep ranges for a few-step schedule"), False
+    return None, False
 
 
 def _wrap_decision(fn):

@@ -1,10 +1,10 @@
 """``lite-boost`` command line: ``generate`` a video or an image (stock vs boosted timing), ``env``, ``models``.
 
-    lite-boost generate                       # built-in tiny random-weight Wan T2V on the CPU, no download
+    lite-boost generate                       # the built-in tiny random-weight video model on the CPU, no download
     lite-boost generate --image cat.png       # image-to-video
-    lite-boost generate --family qwen-image   # built-in tiny Qwen-Image text-to-image (PNG)
-    lite-boost generate --model /path/Wan2.1-T2V-1.3B-Diffusers --height 480 --width 832 --num-frames 81
-    lite-boost generate --model /path/Qwen-Image   # family read from model_index.json
+    lite-boost generate --family NAME         # another family's built-in tiny model (`lite-boost models`)
+    lite-boost generate --model /path/to/a-diffusers-pipeline --height 480 --width 832 --num-frames 81
+                                              # family read from its model_index.json
     lite-boost generate --nproc 2             # same under torchrun, Ulysses sequence parallel
     lite-boost env                            # versions, devices, usable attention backends
     lite-boost models                         # supported model families and the features of each
@@ -41,22 +41,25 @@ def build_parser() -> argparse.ArgumentParser:
                      help="diffusers pipeline folder; its family is read from model_index.json (default: the "
                           "built-in tiny model of --family)")
     gen.add_argument("--family", default=None,
-                     help="model family (`lite-boost models` lists them; default wan, or the --model's); without "
-                          "--model only families with a built-in tiny model run: wan, qwen-image")
+                     help="model family (`lite-boost models` lists them; default: the --model's, else the family "
+                          "of the built-in main job); without --model only families with a built-in tiny model run "
+                          "(`lite-boost models`: tiny model)")
     gen.add_argument("--image", default=None, help="conditioning image: image-to-video")
     gen.add_argument("--prompt", default=None)
     gen.add_argument("--negative-prompt", default=None)
     gen.add_argument("--height", type=int, default=None,
-                     help="default: the pipeline's own for --model (Wan 480), 192 for the tiny Wan, 256 for the tiny "
-                          "Qwen-Image")
+                     help="default: the pipeline's own for --model, the built-in tiny model's otherwise")
     gen.add_argument("--width", type=int, default=None,
-                     help="default: the pipeline's own for --model (Wan 832), 256 for the tiny Wan and Qwen-Image")
+                     help="default: the pipeline's own for --model, the built-in tiny model's otherwise")
     gen.add_argument("--num-frames", type=int, default=None,
-                     help="4k+1 frames, video families only (default: the pipeline's own, Wan 81; 25 tiny)")
+                     help="4k+1 frames, video families only (default: the pipeline's own for --model, the built-in "
+                          "tiny model's otherwise)")
     gen.add_argument("--steps", type=int, default=None,
                      help="denoising steps (default: the pipeline's own for --model, 50; 10 for the tiny models)")
     gen.add_argument("--guidance-scale", type=float, default=None,
-                     help="classifier-free guidance scale (Qwen-Image: true_cfg_scale); <= 1 runs no CFG (default: "
+                     help="classifier-free guidance scale, passed as the family's CFG argument (guidance_scale, or "
+                          "true_cfg_scale where the pipeline's guidance_scale is a distilled embedding: `lite-boost "
+                          "models`); <= 1 runs no CFG (default: "
                           "the pipeline's own for --model, 5 for the tiny models)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default bfloat16 on GPU/NPU, float32 on CPU")
@@ -140,9 +143,13 @@ def models_report() -> str:
         lines.append(f"| {d['family']} | {', '.join(d['pipelines'] + d['transformers'])} | {d['joint']} | "
                      f"{d['cfg']} | " + " | ".join(cells) + " |")
         why = [f"{f}: {r}" for f, r in d["features"].items() if r is not None]
+        tiny = ", ".join(f"{k} {p}" for k, p in d["tiny"].items())
         notes.append(f"- {d['family']}: step caches {', '.join(d['cache_methods']) or 'none'}; default quantized "
                      f"modules {', '.join(d['quant_patterns']) or 'none'}"
-                     + (f"; not supported: {'; '.join(why)}" if why else "") + (f"; {d['notes']}" if d["notes"] else ""))
+                     + (f"; not supported: {'; '.join(why)}" if why else "") + (f"; {d['notes']}" if d["notes"] else "")
+                     + f"; makes {d['output'] or 'images or videos (by pipeline)'}; CFG scale argument "
+                     f"{d['cfg_argument'] or 'none'}; tiny model (`lite-boost generate --family {d['family']}`): "
+                     f"{tiny or 'none'}")
     return "\n".join(lines + [""] + notes + ["", installed_classes_report()])
 
 
@@ -408,13 +415,6 @@ def check_processes(config, nproc: int, world_size: int, from_config: str | None
 # families: which one a run uses, and what it can do                                              #
 # ----------------------------------------------------------------------------------------------- #
 
-# the pipeline class of each built-in tiny model, by family and kind (lite_boost.demo builds them)
-_TINY_PIPELINES = {("wan", "t2v"): "WanPipeline", ("wan", "i2v"): "WanImageToVideoPipeline",
-                   ("qwen-image", "t2i"): "QwenImagePipeline"}
-# families whose pipelines take the CFG scale under another name than guidance_scale
-_CFG_ARGUMENT = {"qwen-image": "true_cfg_scale"}
-
-
 def _registered_families() -> dict:
     from lite_boost.registry import families
 
@@ -497,10 +497,23 @@ def _generic_pipeline_family(model_dir, name: str, index: dict):
     return records[0]
 
 
-def resolve_family(args):
-    """(family, pipeline class name) of a generate run: the --model's, else --family's built-in tiny model (wan)."""
-    from lite_boost.demo import TINY_FAMILIES
+def _tiny_families(fams: dict) -> list[str]:
+    return [n for n, f in fams.items() if f.tiny]
 
+
+def default_tiny_family(fams: dict | None = None):
+    """The family of a bare ``lite-boost generate``: the one whose record marks a tiny pipeline ``default``."""
+    fams = _registered_families() if fams is None else fams
+    marked = [f for f in fams.values() if any(t.default for t in f.tiny.values())]
+    if len(marked) != 1:
+        raise RuntimeError(f"exactly one registered family must mark a built-in tiny pipeline default=True (the run "
+                           f"of a bare `lite-boost generate`), found {[f.name for f in marked]}")
+    return marked[0]
+
+
+def resolve_family(args):
+    """(family, pipeline class name) of a generate run: the --model's, else the built-in tiny model of --family
+    (default: the family whose record marks its tiny pipeline ``default``)."""
     fams = _registered_families()
     if args.family is not None and args.family not in fams:
         raise SystemExit(f"lite-boost generate: --family must be one of {list(fams)}, got {args.family!r}")
@@ -510,21 +523,25 @@ def resolve_family(args):
             raise SystemExit(f"lite-boost generate: --family {args.family} does not match --model {args.model}, a "
                              f"{class_name} (the {family.name} family); drop --family or pass --family {family.name}")
         return family, class_name
-    name = args.family or "wan"
-    if name not in TINY_FAMILIES:
-        raise SystemExit(f"lite-boost generate: --family {name} has no built-in tiny model: pass --model PATH (a "
-                         f"diffusers {name} pipeline folder) or a family with one: {list(TINY_FAMILIES)}")
-    kind = _tiny_kind(name, args)
-    if (name, kind) not in _TINY_PIPELINES:
-        raise SystemExit(f"lite-boost generate: --image is not supported by the built-in tiny {name} model; built-in "
-                         f"image-conditioned models: {[f for f, k in _TINY_PIPELINES if k.startswith('i')]} (or pass "
-                         "--model with a pipeline that takes an image)")
-    return fams[name], _TINY_PIPELINES[name, kind]
+    family = fams[args.family] if args.family is not None else default_tiny_family(fams)
+    if not family.tiny:
+        raise SystemExit(f"lite-boost generate: --family {family.name} has no built-in tiny model: pass --model PATH "
+                         f"(a diffusers {family.name} pipeline folder) or a family with one: {_tiny_families(fams)}")
+    kind = _tiny_kind(family, args)
+    if kind not in family.tiny:
+        conditioned = [n for n, f in fams.items() if set(f.tiny) & {"i2v", "i2i"}]
+        raise SystemExit(f"lite-boost generate: --image is not supported by the built-in tiny {family.name} model; "
+                         f"built-in image-conditioned models: {conditioned} (or pass --model with a pipeline that "
+                         "takes an image)")
+    return family, family.tiny[kind].pipeline
 
 
-def _tiny_kind(family_name: str, args) -> str:
-    video = family_name == "wan"
-    return ("i2v" if video else "i2i") if args.image else ("t2v" if video else "t2i")
+def _tiny_kind(family, args) -> str:
+    """The kind of a built-in tiny run: text- or image-conditioned (--image), of the family's output."""
+    from lite_boost.adapter.family import RUN_KINDS
+
+    text, image = RUN_KINDS[family.output]
+    return image if args.image else text
 
 
 def _pipeline_parameters(class_name: str) -> set[str] | None:
@@ -590,6 +607,12 @@ def check_family_options(family, class_name: str, args, config, world_size: int)
         if args.image is not None and "image" not in params:
             raise SystemExit(f"lite-boost generate: --image is not supported by {class_name}, which takes no "
                              "conditioning image")
+    scale_arg = family.cfg_argument
+    if args.guidance_scale is not None and (scale_arg is None or (params is not None and scale_arg not in params)):
+        taken = (f"takes no {scale_arg} (the {family.name} family's classifier-free guidance argument)" if scale_arg
+                 else f"(the {family.name} family) takes no guidance scale argument (its guider holds it)")
+        raise SystemExit(f"lite-boost generate: --guidance-scale is not supported by {class_name}, which {taken}; "
+                         "drop --guidance-scale")
 
 
 def rank_threads(threads: int | None, nproc: int) -> int:
@@ -672,14 +695,13 @@ def _validate_generate(args) -> None:
 
 
 def _sparsity(args) -> float:
-    """--sparsity, or its default: 0 (dense) with --model and the tiny image models, DEMO_SPARSITY for the
-    built-in tiny Wan."""
+    """--sparsity, or its default: 0 (dense) with --model, the built-in tiny model's (its record's
+    ``TinyPipeline.sparsity``) without."""
     if args.sparsity is not None:
         return args.sparsity
-    if getattr(args, "model", None) is None and (getattr(args, "family", None) or "wan") == "wan":
-        from lite_boost.demo import DEMO_SPARSITY
-
-        return DEMO_SPARSITY
+    if getattr(args, "model", None) is None:
+        family, _ = resolve_family(args)
+        return family.tiny[_tiny_kind(family, args)].sparsity
     return 0.0
 
 
@@ -706,17 +728,11 @@ def _boost_config(args):
                        attention={"precision": precision or "auto"})
 
 
-def _load_pipeline(args, kind, device, dtype, family_name: str = "wan", offload: bool = False):
+def _load_pipeline(args, kind, device, dtype, family, offload: bool = False):
     import torch
 
-    if args.model is None and family_name == "qwen-image":
-        from lite_boost.demo import DEMO_QWEN_SPEC, tiny_qwen_image_pipeline
-
-        pipe = tiny_qwen_image_pipeline(kind, spec=DEMO_QWEN_SPEC, dtype=dtype)
-    elif args.model is None:
-        from lite_boost.demo import DEMO_SPEC, DEMO_VAE_BASE_DIM, tiny_wan_pipeline
-
-        pipe = tiny_wan_pipeline(kind, spec=DEMO_SPEC, dtype=dtype, vae_base_dim=DEMO_VAE_BASE_DIM)
+    if args.model is None:
+        pipe = family.tiny[kind].build(kind, dtype=dtype)
     else:
         from diffusers import DiffusionPipeline
 
@@ -725,32 +741,31 @@ def _load_pipeline(args, kind, device, dtype, family_name: str = "wan", offload:
         absent = {k: None for k, v in index.items() if not k.startswith("_") and v in ([None, None], None)}
         pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=dtype, **absent)
         if getattr(pipe, "vae", None) is not None:
-            pipe.vae.to(torch.float32)  # the VAEs run in fp32 (diffusers' Wan examples do)
+            pipe.vae.to(torch.float32)  # the VAEs run in fp32 (as diffusers' video examples do)
     if not offload:  # offloaded weights stay on the host; the boost uploads them block by block
         pipe.to(device)
     return pipe
 
 
-def _call_kwargs(args, kind, tiny: bool, family_name: str = "wan", pipe=None):
-    """The pipeline call of a run. Sizes and steps not given: the tiny model's defaults, else the pipeline's own."""
-    from lite_boost.demo import (DEMO_NEGATIVE_PROMPT, DEMO_PROMPT, DEMO_QWEN_SHAPE, DEMO_QWEN_STEPS, DEMO_SHAPE,
-                                 DEMO_STEPS)
+def _call_kwargs(args, kind, tiny: bool, family, pipe=None):
+    """The pipeline call of a run. Sizes and steps not given: the tiny model's defaults (the family record's
+    :class:`~lite_boost.adapter.family.TinyPipeline`), else the pipeline's own."""
+    from lite_boost.demo import DEMO_NEGATIVE_PROMPT, DEMO_PROMPT
 
     params = set(inspect.signature(pipe.__call__).parameters) if pipe is not None else None
-    video = "num_frames" in params if params is not None else family_name == "wan"
-    if not tiny:
-        shape, steps = (None, None, None), None
-    elif family_name == "wan":
-        shape, steps = DEMO_SHAPE, DEMO_STEPS
-    else:
-        shape, steps = DEMO_QWEN_SHAPE + (None,), DEMO_QWEN_STEPS
+    video = kind in ("t2v", "i2v") and (params is None or "num_frames" in params)
+    record = family.tiny[kind] if tiny else None
+    shape, steps = (record.shape, record.steps) if record is not None else ((None, None, None), None)
     kw = {}
     scale = args.guidance_scale if args.guidance_scale is not None else (5.0 if tiny else None)
     cfg = scale is None or scale > 1  # None: the pipeline's default scale, CFG on for every registered pipeline
-    if family_name == "qwen-image" and getattr(pipe, "text_encoder", None) is None:
-        from lite_boost.demo import qwen_demo_prompt_kwargs  # no text encoder (the tiny model): random embeddings
-
-        kw.update(qwen_demo_prompt_kwargs(pipe.transformer.config.joint_attention_dim, cfg=cfg, seed=args.seed))
+    # a pipeline without a text encoder (the tiny models, a folder saved without one): the prompt as the family's
+    # tiny model gives it (random prompt embeddings)
+    prompter = record if record is not None else next((t for t in family.tiny.values() if t.prompt), None)
+    embeds = (prompter.prompt_kwargs(pipe, cfg=cfg, seed=args.seed) if prompter is not None and pipe is not None
+              and getattr(pipe, "text_encoder", None) is None else None)
+    if embeds is not None:
+        kw.update(embeds)
     else:
         kw["prompt"] = args.prompt or DEMO_PROMPT
         kw["negative_prompt"] = args.negative_prompt if args.negative_prompt is not None else DEMO_NEGATIVE_PROMPT
@@ -759,8 +774,8 @@ def _call_kwargs(args, kind, tiny: bool, family_name: str = "wan", pipe=None):
                        ("num_inference_steps", args.steps or steps)):
         if value is not None:
             kw[key] = value
-    if scale is not None:
-        kw[_CFG_ARGUMENT.get(family_name, "guidance_scale")] = scale
+    if scale is not None and family.cfg_argument is not None and (params is None or family.cfg_argument in params):
+        kw[family.cfg_argument] = scale  # check_family_options refused a --guidance-scale the pipeline cannot take
     kw["output_type"] = "np"
     if args.image is not None:
         from PIL import Image
@@ -769,8 +784,6 @@ def _call_kwargs(args, kind, tiny: bool, family_name: str = "wan", pipe=None):
         if "height" in kw and "width" in kw:
             image = image.resize((kw["width"], kw["height"]))
         kw["image"] = image
-        if family_name == "wan":
-            kw["max_sequence_length"] = 512
     kw["_seed"] = args.seed
     return kw
 
@@ -885,26 +898,9 @@ def advice(pipe, config, work, rows: dict) -> list[str]:
     return notes
 
 
-def _demo_model_line(pipe, kw, family_name: str = "wan") -> str:
-    """What the built-in model is: random weights, its transformer and tokens, the small VAE."""
-    cfg = pipe.transformer.config
-    if family_name == "qwen-image":
-        from lite_boost.demo import DEMO_QWEN_TEXT_LEN
-
-        down = pipe.vae_scale_factor * cfg.patch_size
-        h, w = kw["height"] // down, kw["width"] // down
-        text = (f"{DEMO_QWEN_TEXT_LEN[0]} / {DEMO_QWEN_TEXT_LEN[1]} text tokens (cond / uncond, random prompt "
-                "embeddings: no text encoder)" if "negative_prompt_embeds" in kw else
-                f"{DEMO_QWEN_TEXT_LEN[0]} text tokens (random prompt embeddings: no text encoder)")
-        return (f"  model: random weights; transformer {cfg.num_layers} layers x {cfg.num_attention_heads} heads x "
-                f"{cfg.attention_head_dim}, {h} x {w} = {h * w:,} image tokens + {text}; VAE "
-                f"{pipe.vae.config.base_dim} channels wide")
-    p_t, p_h, p_w = cfg.patch_size
-    grid = ((kw["num_frames"] - 1) // 4 + 1) // p_t, kw["height"] // 8 // p_h, kw["width"] // 8 // p_w
-    return (f"  model: random weights; transformer {cfg.num_layers} layers x {cfg.num_attention_heads} heads x "
-            f"{cfg.attention_head_dim}, patch {p_t}x{p_h}x{p_w}, {grid[0]} x {grid[1]} x {grid[2]} = "
-            f"{grid[0] * grid[1] * grid[2]:,} tokens; VAE only {pipe.vae.config.base_dim} channels wide (the "
-            "VAE is not what this job demonstrates, so it is kept small enough not to outweigh the denoising loop)")
+def _demo_model_line(pipe, kw, family, kind: str) -> str | None:
+    """What the built-in model is (its record's ``TinyPipeline.describe``): random weights, sizes, tokens."""
+    return family.tiny[kind].describe_run(pipe, kw)
 
 
 def video_psnr(frames, ref) -> tuple[float, float, float]:
@@ -931,8 +927,8 @@ def _transformers(pipe) -> list:
 
 def _block_work_counter(counter, models):
     """``counter(models, blocks, ffn, attn)`` with the block list and the feed-forward / self-attention child
-    names these transformers have (Wan: blocks / ffn / attn1; Qwen-Image, Flux: transformer_blocks / img_mlp or
-    ff / attn), or None when they have none of those."""
+    names these transformers have (blocks / ffn / attn1, or transformer_blocks / img_mlp or ff / attn), or None
+    when they have none of those."""
     import torch
 
     names = None
@@ -1025,12 +1021,13 @@ def applied_summary(pipe, config, work=None, device=None, dtype=None) -> list[st
     return lines
 
 
-def _run_kind(family_name: str, class_name: str, args) -> str:
-    """t2v / i2v for video pipelines, t2i / i2i for image pipelines."""
+def _run_kind(family, class_name: str, args) -> str:
+    """t2v / i2v for video pipelines, t2i / i2i for image pipelines (the family record's ``output``; for a
+    record that leaves it open, the pipeline's call signature)."""
     if args.model is None:
-        return _tiny_kind(family_name, args)
+        return _tiny_kind(family, args)
     params = _pipeline_parameters(class_name)
-    video = params is None or "num_frames" in params
+    video = family.output == "video" if family.output is not None else (params is None or "num_frames" in params)
     return ("i2v" if video else "i2i") if args.image else ("t2v" if video else "t2i")
 
 
@@ -1083,13 +1080,13 @@ def generate(args, argv: list[str]) -> int:
                              f"methods that can run on {device.type}: {usable_methods(device)}")
     dtype_name = _DTYPES[args.dtype] if args.dtype else ("float32" if device.type == "cpu" else "bfloat16")
     dtype = getattr(torch, dtype_name)
-    kind = _run_kind(family.name, class_name, args)
+    kind = _run_kind(family, class_name, args)
     image_out = kind in ("t2i", "i2i")
     if config.offload is not None and config.offload.onload_device is None:
         config = config.replace(offload=config.offload.replace(onload_device=str(device)))
-    pipe = _load_pipeline(args, kind, device, dtype, family.name, offload=config.offload is not None)
+    pipe = _load_pipeline(args, kind, device, dtype, family, offload=config.offload is not None)
     pipe.set_progress_bar_config(disable=rank != 0)
-    kw = _call_kwargs(args, kind, tiny=args.model is None, family_name=family.name, pipe=pipe)
+    kw = _call_kwargs(args, kind, tiny=args.model is None, family=family, pipe=pipe)
     say = print if rank == 0 else (lambda *a, **k: None)
     source = (f"tiny built-in {class_name} (the {family.name} family)" if args.model is None
               else f"{args.model} ({class_name}, the {family.name} family)")
@@ -1097,8 +1094,9 @@ def generate(args, argv: list[str]) -> int:
     frames_txt = f", {kw['num_frames']} frames" if "num_frames" in kw else ""
     say(f"lite-boost generate: {kind}, {source}, {size}{frames_txt}, {kw.get('num_inference_steps', 'default')} "
         f"steps, {device}, {dtype_name}, {world} process(es)")
-    if args.model is None:
-        say(_demo_model_line(pipe, kw, family.name))
+    line = _demo_model_line(pipe, kw, family, kind) if args.model is None else None
+    if line:
+        say(line)
 
     rows = {}
     stock_frames = None
@@ -1204,14 +1202,14 @@ def _add_plan_parser(sub) -> None:
                                        "offload) from the model's configs alone; marks what fits, recommends one")
     plan.add_argument("--model", default=None, help="diffusers pipeline folder (only model_index.json and the "
                                                     "components' config.json are read)")
-    plan.add_argument("--family", default=None, help="a model family's reference model (`lite-boost models`; wan: "
-                                                     "Wan2.1-T2V-14B with its UMT5-XXL text encoder)")
+    plan.add_argument("--family", default=None, help="a model family's reference model (`lite-boost models`; its "
+                                                     "record's reference: a released checkpoint with its text encoder)")
     plan.add_argument("--nproc", type=int, default=1, help="ranks (one device each)")
     plan.add_argument("--device-memory", default=None, metavar="SIZE",
                       help="memory per device, e.g. 24GiB, 80GB, 64G (without it nothing is marked as fitting)")
-    plan.add_argument("--height", type=int, default=None, help="default: the family's reference (Wan 480)")
-    plan.add_argument("--width", type=int, default=None, help="default: the family's reference (Wan 832)")
-    plan.add_argument("--num-frames", type=int, default=None, help="default: the family's reference (Wan 81)")
+    plan.add_argument("--height", type=int, default=None, help="default: the family's reference")
+    plan.add_argument("--width", type=int, default=None, help="default: the family's reference")
+    plan.add_argument("--num-frames", type=int, default=None, help="default: the family's reference")
     plan.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES), help="weights and activations")
     plan.add_argument("--headroom", type=float, default=0.1,
                       help="fraction of the device memory kept free for the framework and the allocator (0.1)")

@@ -17,8 +17,9 @@ import torch
 
 __all__ = ["TinyWanSpec", "tiny_wan_transformer", "tiny_wan_pipeline", "DEMO_PROMPT", "DEMO_NEGATIVE_PROMPT",
            "DEMO_SPEC", "DEMO_SHAPE", "DEMO_STEPS", "DEMO_SPARSITY", "DEMO_VAE_BASE_DIM", "TinyQwenImageSpec",
-           "tiny_qwen_image_transformer", "tiny_qwen_image_pipeline", "qwen_prompt_embeds", "TINY_FAMILIES",
-           "DEMO_QWEN_SPEC", "DEMO_QWEN_SHAPE", "DEMO_QWEN_STEPS", "DEMO_QWEN_TEXT_LEN", "qwen_demo_prompt_kwargs"]
+           "tiny_qwen_image_transformer", "tiny_qwen_image_pipeline", "qwen_prompt_embeds", "DEMO_QWEN_SPEC",
+           "DEMO_QWEN_SHAPE", "DEMO_QWEN_STEPS", "DEMO_QWEN_TEXT_LEN", "qwen_demo_prompt_kwargs", "demo_wan_pipeline",
+           "describe_wan_demo", "demo_qwen_image_pipeline", "describe_qwen_image_demo", "qwen_demo_prompt"]
 
 DEMO_PROMPT = "a red fox runs through fresh snow at dawn"
 DEMO_NEGATIVE_PROMPT = "blurry low quality static"
@@ -236,8 +237,25 @@ def qwen_prompt_embeds(length: int, *, batch: int = 1, dim: int = 16, seed: int 
 
 
 # --------------------------------------------------------------------------------------------- built-in models
-# Families with a built-in tiny model: `lite-boost generate --family NAME` runs them offline.
-TINY_FAMILIES = ("wan", "qwen-image")
+# The built-in tiny models that `lite-boost generate --family NAME` runs offline. The family records say which
+# (ModelFamily.tiny: lite_boost.models.wan, lite_boost.models.qwenimage refer to these functions by name).
+
+
+def demo_wan_pipeline(kind: str, dtype=torch.float32):
+    """The main job's tiny Wan pipeline (:data:`DEMO_SPEC`, a :data:`DEMO_VAE_BASE_DIM`-channel VAE)."""
+    return tiny_wan_pipeline(kind, spec=DEMO_SPEC, dtype=dtype, vae_base_dim=DEMO_VAE_BASE_DIM)
+
+
+def describe_wan_demo(pipe, kw) -> str:
+    """What the built-in Wan model is: random weights, its transformer and tokens, the small VAE."""
+    cfg = pipe.transformer.config
+    p_t, p_h, p_w = cfg.patch_size
+    grid = ((kw["num_frames"] - 1) // 4 + 1) // p_t, kw["height"] // 8 // p_h, kw["width"] // 8 // p_w
+    return (f"  model: random weights; transformer {cfg.num_layers} layers x {cfg.num_attention_heads} heads x "
+            f"{cfg.attention_head_dim}, patch {p_t}x{p_h}x{p_w}, {grid[0]} x {grid[1]} x {grid[2]} = "
+            f"{grid[0] * grid[1] * grid[2]:,} tokens; VAE only {pipe.vae.config.base_dim} channels wide (the "
+            "VAE is not what this job demonstrates, so it is kept small enough not to outweigh the denoising loop)")
+
 
 # The Qwen-Image job (`lite-boost generate --family qwen-image`): the tiny transformer of the tests at
 # 256 x 256 pixels = 32 x 32 = 1,024 image tokens, with cond / uncond prompts of different lengths (as
@@ -257,3 +275,27 @@ def qwen_demo_prompt_kwargs(dim: int = DEMO_QWEN_SPEC.text_dim, *, cfg: bool = T
         neg, neg_mask = qwen_prompt_embeds(DEMO_QWEN_TEXT_LEN[1], dim=dim, seed=seed + 1)
         kw.update(negative_prompt_embeds=neg, negative_prompt_embeds_mask=neg_mask)
     return kw
+
+
+def demo_qwen_image_pipeline(kind: str, dtype=torch.float32):
+    """The tiny Qwen-Image pipeline of ``lite-boost generate --family qwen-image`` (:data:`DEMO_QWEN_SPEC`)."""
+    return tiny_qwen_image_pipeline(kind, spec=DEMO_QWEN_SPEC, dtype=dtype)
+
+
+def qwen_demo_prompt(pipe, *, cfg: bool, seed: int) -> dict:
+    """Random prompt embeddings for a Qwen-Image pipeline without a text encoder (:func:`qwen_demo_prompt_kwargs`
+    at the width of its transformer's ``joint_attention_dim``)."""
+    return qwen_demo_prompt_kwargs(pipe.transformer.config.joint_attention_dim, cfg=cfg, seed=seed)
+
+
+def describe_qwen_image_demo(pipe, kw) -> str:
+    """What the built-in Qwen-Image model is: random weights, its transformer, image and text tokens."""
+    cfg = pipe.transformer.config
+    down = pipe.vae_scale_factor * cfg.patch_size
+    h, w = kw["height"] // down, kw["width"] // down
+    text = (f"{DEMO_QWEN_TEXT_LEN[0]} / {DEMO_QWEN_TEXT_LEN[1]} text tokens (cond / uncond, random prompt "
+            "embeddings: no text encoder)" if "negative_prompt_embeds" in kw else
+            f"{DEMO_QWEN_TEXT_LEN[0]} text tokens (random prompt embeddings: no text encoder)")
+    return (f"  model: random weights; transformer {cfg.num_layers} layers x {cfg.num_attention_heads} heads x "
+            f"{cfg.attention_head_dim}, {h} x {w} = {h * w:,} image tokens + {text}; VAE "
+            f"{pipe.vae.config.base_dim} channels wide")

@@ -3,11 +3,16 @@ imports nothing of lite_boost)."""
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "check_regexes"]
+__all__ = ["ConfigError", "LoaderError", "check_regexes"]
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the accepted values."""
+
+
+class LoaderError(ConfigError):
+    """A diffusers loader or processor call (``fuse_lora``, ``set_attn_processor``, ``load_ip_adapter``, ...) that a
+    boosted model cannot take as boosted; raised before anything changes, naming the boost option and what to do."""
 
 
 def check_regexes(where: str, value, allow_empty: bool = False) -> tuple[str, ...]:

@@ -234,7 +234,8 @@ def plan_quant(model: nn.Module, config, default_include: Iterable[str] | None =
     quantized, mixed devices or dtypes, a method the device or dtype cannot run.
     """
     method = config.method
-    linears = {name: mod for name, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+    adapters = _adapter_internal(model)  # a loaded LoRA's own layers stay as they are (their base layer is quantized)
+    linears = {name: mod for name, mod in model.named_modules() if isinstance(mod, nn.Linear) and name not in adapters}
     if not linears:
         raise _config_error(f"quantization was requested but {type(model).__name__} has no nn.Linear layer")
     include = tuple(config.include) if config.include is not None else tuple(default_include or ())
@@ -290,6 +291,33 @@ def plan_quant(model: nn.Module, config, default_include: Iterable[str] | None =
     return QuantPlan(method, layers, skipped, device, dtype)
 
 
+def _adapter_internal(model: nn.Module) -> set[str]:
+    """Names of the modules inside peft adapter layers of ``model`` (a LoRA's ``lora_A`` / ``lora_B`` ...): the
+    adapter's layers, not the model's; the layer they wrap is the adapter layer's ``base_layer``."""
+    names = set()
+    for name, module in model.named_modules():
+        for attr in getattr(module, "adapter_layer_names", None) or ():
+            sub = getattr(module, attr, None)
+            if isinstance(sub, nn.Module):
+                prefix = f"{name}.{attr}" if name else attr
+                names.update(f"{prefix}.{n}" if n else prefix for n, _ in sub.named_modules())
+    return names
+
+
+def _layer(model: nn.Module, name: str) -> nn.Linear:
+    """The quantized Linear ``name`` of ``model``, found again after a LoRA (peft) wrapped it (``name`` is then its
+    adapter layer, whose ``base_layer`` it is) or was unloaded (``name`` ended in ``.base_layer``)."""
+    try:
+        mod = model.get_submodule(name)
+    except AttributeError:
+        if not name.endswith(".base_layer"):
+            raise
+        return _layer(model, name[: -len(".base_layer")])
+    while not isinstance(mod, nn.Linear) and isinstance(getattr(mod, "base_layer", None), nn.Module):
+        mod = mod.base_layer
+    return mod
+
+
 # ----------------------------------------------------------------------------------- state
 @dataclass
 class _Original:
@@ -331,7 +359,7 @@ class QuantState:
         """(bytes of the original weights, bytes of the quantized weights incl. scales) of the quantized layers."""
         before = after = 0
         for name in self.layers:
-            mod = model.get_submodule(name)
+            mod = _layer(model, name)
             before += mod.in_features * mod.out_features * self.plan.dtype.itemsize
             after += _tensor_bytes(mod.weight) + sum(b.nbytes for n, b in mod.named_buffers(recurse=False)
                                                      if n == "weight_scale")
@@ -359,7 +387,7 @@ class QuantState:
         return nn.Parameter(w.detach().to(device=device, dtype=dtype), requires_grad=orig.requires_grad)
 
     def _put_back(self, model: nn.Module, name: str, orig: _Original) -> None:
-        mod = model.get_submodule(name)
+        mod = _layer(model, name)
         mod.weight = self._restored_weight(mod, orig)
         mod.__dict__.pop("forward", None)  # the W8A8 instance forward
         if "weight_scale" in mod._buffers:
@@ -383,13 +411,13 @@ class QuantState:
         swapped = {}
         try:
             for name, orig in self.originals.items():
-                mod = model.get_submodule(name)
+                mod = _layer(model, name)
                 swapped[name] = mod.weight
                 mod._parameters["weight"] = self._restored_weight(mod, orig)
             yield model
         finally:
             for name, weight in swapped.items():
-                model.get_submodule(name)._parameters["weight"] = weight
+                _layer(model, name)._parameters["weight"] = weight
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:

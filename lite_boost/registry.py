@@ -11,7 +11,8 @@ Lookup walks the target's class hierarchy, so user subclasses of a supported cla
 family described with :class:`lite_boost.adapter.ModelFamily` registers its two generated boost
 functions (transformer and pipeline) with :func:`register_family`; each carries ``.family``, the
 description that ``ParallelManager``, step caching and ``lite-boost models`` read. A plain
-function registered with :func:`register_model` boosts, and has no other capability::
+function registered with :func:`register_model` boosts, and has no other capability (the parallel-VAE
+adapters register here too, through ``lite_boost.parallel.vae.register_vae_adapter``)::
 
     @register_model("MyVideoTransformer")
     def boost_my_model(target, config):
@@ -29,6 +30,7 @@ __all__ = [
     "BUILTIN_ADAPTERS",
     "SUPPORTED_MODELS",
     "UnsupportedModelError",
+    "add_vae_adapter",
     "families",
     "family_of",
     "load_builtin_adapters",
@@ -38,6 +40,8 @@ __all__ = [
     "register_family",
     "register_model",
     "supported_model_names",
+    "vae_adapter_class",
+    "vae_adapter_names",
 ]
 
 BoostFn = Callable[..., object]
@@ -53,6 +57,8 @@ _FAMILIES: dict[str, object] = {}  # family name -> description, in registration
 # name -> (boost function or None for a target no family registers, why not or None): consulted in order
 _FALLBACKS: dict[str, tuple[Callable[[object], BoostFn | None], Callable[[object], str | None]]] = {}
 _LOADED: list[bool] = [False]  # the built-in adapters were imported (a list: no rebinding of a global)
+# VAE class name -> its parallel-VAE adapter class (``lite_boost.parallel.vae.register_vae_adapter``)
+_VAE_ADAPTERS: dict[str, type] = {}
 
 
 class UnsupportedModelError(TypeError):
@@ -105,6 +111,32 @@ def register_fallback(name: str, find: Callable[[object], BoostFn | None],
     if not isinstance(name, str) or not name or not callable(find):
         raise TypeError("register_fallback needs a name and a callable find(target)")
     _FALLBACKS[name] = (find, why_not or (lambda target: None))
+
+
+def add_vae_adapter(adapter_cls: type, class_names, *, replace: bool = False) -> None:
+    """Record ``adapter_cls`` as the parallel-VAE adapter of the named VAE classes (what
+    ``lite_boost.parallel.vae.register_vae_adapter`` does); a name taken by another adapter raises
+    ValueError unless ``replace``."""
+    for name in class_names:
+        if name in _VAE_ADAPTERS and _VAE_ADAPTERS[name] is not adapter_cls and not replace:
+            raise ValueError(f"a parallel-VAE adapter is already registered for {name!r}; pass replace=True")
+        _VAE_ADAPTERS[name] = adapter_cls
+
+
+def vae_adapter_class(vae_cls: type) -> type | None:
+    """The parallel-VAE adapter class registered for ``vae_cls`` or its nearest registered base, or None."""
+    load_builtin_adapters()
+    for cls in vae_cls.__mro__:
+        adapter_cls = _VAE_ADAPTERS.get(cls.__name__)
+        if adapter_cls is not None:
+            return adapter_cls
+    return None
+
+
+def vae_adapter_names() -> list[str]:
+    """The VAE class names with a registered parallel-VAE adapter, sorted."""
+    load_builtin_adapters()
+    return sorted(_VAE_ADAPTERS)
 
 
 def load_builtin_adapters() -> None:

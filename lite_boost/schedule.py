@@ -40,6 +40,15 @@ class SparseSchedule:
             return f"step {step} in the last dense_steps_last={c.dense_steps_last} of {total_steps}"
         return None
 
+    def step_count_problem(self, total_steps: int) -> str | None:
+        """Why block-sparse attention would never run in a run of ``total_steps`` steps (None: it runs)."""
+        c = self.config
+        if c.sparse_type is None or c.dense_steps_first + c.dense_steps_last < total_steps:
+            return None
+        return (f"sparse: dense_steps_first={c.dense_steps_first} + dense_steps_last={c.dense_steps_last} cover all "
+                f"{total_steps} steps of this run, so block-sparse attention never runs; for a few-step schedule "
+                f"lower them (SparseConfig(dense_steps_first=..., dense_steps_last=...), together below {total_steps})")
+
     def reuse(self, step: int, computed_at: int | None) -> bool:
         """True if a mask computed at step ``computed_at`` may serve ``step``."""
         return computed_at is not None and 0 <= step - computed_at < self.config.mask_reuse_steps

@@ -121,7 +121,10 @@ def render_matrix() -> str:
         lines += ["", f"## `{d['family']}`", "",
                   f"- pipelines: {', '.join(f'`{p}`' for p in d['pipelines']) or 'none'}",
                   f"- transformers: {', '.join(f'`{t}`' for t in d['transformers']) or 'none'}",
-                  f"- text layout: `{d['joint']}`; CFG: `{d['cfg']}`",
+                  f"- output: {d['output'] or 'by pipeline'}; text layout: `{d['joint']}`; CFG: `{d['cfg']}`"
+                  + (f", scale argument `{d['cfg_argument']}`" if d["cfg_argument"] else ", no scale argument"),
+                  "- built-in tiny model (`lite-boost generate --family`): "
+                  + (", ".join(f"{k} `{p}`" for k, p in d["tiny"].items()) or "none"),
                   f"- step caches: {', '.join(f'`{m}`' for m in d['cache_methods']) or 'none'}",
                   f"- quantized by default: {', '.join(f'`{p}`' for p in d['quant_patterns']) or 'none'}"]
         for feature, why in d["features"].items():

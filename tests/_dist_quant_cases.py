@@ -3,8 +3,10 @@
 Every rank builds the same tiny pipeline from a fixed seed, runs it single-process with
 ``lite_boost.boost(..., quant=int8_dynamic)`` (the reference: no collectives), then a fresh copy under
 ParallelManager with the same quantization: Ulysses over 2 ranks (3 heads, 45 tokens: uneven heads and
-token shards), then cfg 2 with block-sparse attention. Each rank quantizes its own copy of the weights;
-a digest of the int8 data shows they are identical across ranks.
+token shards), then cfg 2 with block-sparse attention; where the CPU runs int8 attention, the same two with
+``attention.precision="int8"`` as well (each rank's heads or branch see the same K blocks as one process, so the
+per-block int8 scales are the same). Each rank quantizes its own copy of the weights; a digest of the int8 data
+shows they are identical across ranks.
 """
 
 from __future__ import annotations
@@ -45,9 +47,15 @@ def quantized_parallel(rank, world_size, init_method):
     warnings.simplefilter("ignore")
     spec = TinyWanSpec(heads=3, head_dim=24)
     sparse = {"sparsity": 0.8, "block_size": 4, "backend": "gather"}
+    from lite_boost.ops.precision import cpu_int8_reason
+
     out = {}
-    for name, cfg_degree, sp in (("seq2", 1, None), ("cfg2_sparse", 2, sparse)):
-        config = {"parallel": {"cfg_degree": cfg_degree, "timeout_s": 120}, "quant": {"method": "int8_dynamic"}}
+    cases = [("seq2", 1, None, "auto"), ("cfg2_sparse", 2, sparse, "auto")]
+    if cpu_int8_reason() is None:
+        cases += [("seq2_attn8", 1, None, "int8"), ("cfg2_sparse_attn8", 2, {**sparse, "backend": "cpp"}, "int8")]
+    for name, cfg_degree, sp, precision in cases:
+        config = {"parallel": {"cfg_degree": cfg_degree, "timeout_s": 120}, "quant": {"method": "int8_dynamic"},
+                  "attention": {"precision": precision}}
         if sp is not None:
             config["sparse"] = sp
         stock = _run(tiny_wan_pipeline("t2v", spec=spec))

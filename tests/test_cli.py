@@ -1,5 +1,7 @@
+import json
 import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -131,12 +133,12 @@ def test_tiny_qwen_image_defaults():
 
     args = build_parser().parse_args(["generate", "--family", "qwen-image"])
     assert _boost_config(args).sparse is None  # image family: dense by default
-    kw = _call_kwargs(args, "t2i", tiny=True, family_name="qwen-image", pipe=tiny_qwen_image_pipeline())
+    kw = _call_kwargs(args, "t2i", tiny=True, family=_family("qwen-image"), pipe=tiny_qwen_image_pipeline())
     assert (kw["height"], kw["width"], kw["num_inference_steps"]) == (*DEMO_QWEN_SHAPE, DEMO_QWEN_STEPS)
     assert kw["true_cfg_scale"] == 5.0 and "guidance_scale" not in kw and "num_frames" not in kw
     assert kw["prompt_embeds"].shape[1] != kw["negative_prompt_embeds"].shape[1]  # cond / uncond lengths differ
     no_cfg = _call_kwargs(build_parser().parse_args(["generate", "--guidance-scale", "1"]), "t2i", tiny=True,
-                          family_name="qwen-image", pipe=tiny_qwen_image_pipeline())
+                          family=_family("qwen-image"), pipe=tiny_qwen_image_pipeline())
     assert "negative_prompt_embeds" not in no_cfg
 
 
@@ -145,13 +147,76 @@ def test_model_runs_take_the_pipelines_own_defaults():
     from lite_boost.demo import tiny_wan_pipeline
 
     pipe = tiny_wan_pipeline("t2v")
-    kw = _call_kwargs(build_parser().parse_args(["generate", "--model", "/m"]), "t2v", tiny=False, pipe=pipe)
+    wan = _family("wan")
+    kw = _call_kwargs(build_parser().parse_args(["generate", "--model", "/m"]), "t2v", tiny=False, family=wan, pipe=pipe)
     assert not {"height", "width", "num_frames", "num_inference_steps", "guidance_scale"} & set(kw)
     kw = _call_kwargs(build_parser().parse_args(["generate", "--model", "/m", "--height", "32", "--num-frames", "9",
-                                                 "--guidance-scale", "3"]), "t2v", tiny=False, pipe=pipe)
+                                                 "--guidance-scale", "3"]), "t2v", tiny=False, family=wan, pipe=pipe)
     assert (kw["height"], kw["num_frames"], kw["guidance_scale"]) == (32, 9, 3.0) and "width" not in kw
-    tiny = _call_kwargs(build_parser().parse_args(["generate"]), "t2v", tiny=True, pipe=pipe)
+    tiny = _call_kwargs(build_parser().parse_args(["generate"]), "t2v", tiny=True, family=wan, pipe=pipe)
     assert (tiny["height"], tiny["width"], tiny["num_frames"], tiny["guidance_scale"]) == (192, 256, 25, 5.0)
+    # Flux's guidance_scale is a distilled embedding: --guidance-scale is its record's true CFG argument
+    flux = _call_kwargs(build_parser().parse_args(["generate", "--model", "/m", "--guidance-scale", "3"]), "t2i",
+                        tiny=False, family=_family("flux"))
+    assert flux["true_cfg_scale"] == 3.0 and "guidance_scale" not in flux and "num_frames" not in flux
+
+
+def _family(name):
+    from lite_boost.registry import families
+
+    return {f.name: f for f in families()}[name]
+
+
+def test_cli_names_no_family_and_reads_the_records():
+    """cli.py holds no family knowledge: every family name (and its display spelling) is absent from it; the
+    tiny runs, the CFG argument and the output kind come from the records."""
+    from lite_boost.cli import _tiny_kind, build_parser, default_tiny_family, resolve_family
+    from lite_boost.registry import families
+
+    text = Path(__file__).resolve().parents[1].joinpath("lite_boost", "cli.py").read_text(encoding="utf-8")
+    names = {f.name for f in families()} | {"wan", "qwen", "flux", "ltx", "hunyuan", "cogvideo", "cogvideox"}
+    found = {n for n in names if re.search(rf"(?<![A-Za-z]){re.escape(n)}(?![A-Za-z])", text, re.IGNORECASE)}
+    assert not found, f"cli.py names families {sorted(found)}: put the hint on the family record"
+    assert default_tiny_family().name == "wan"  # the record that marks its tiny pipeline default=True
+    parser = build_parser()
+    fam, cls = resolve_family(parser.parse_args(["generate", "--family", "qwen-image"]))
+    assert (fam.name, cls, _tiny_kind(fam, parser.parse_args(["generate"]))) == ("qwen-image", "QwenImagePipeline", "t2i")
+    assert resolve_family(parser.parse_args(["generate", "--image", "x.png"]))[1] == "WanImageToVideoPipeline"
+
+
+def test_family_records_declare_the_cli_hints_and_refuse_bad_ones():
+    from lite_boost.adapter.family import ModelFamily, TinyPipeline
+
+    wan, qwen = _family("wan"), _family("qwen-image")
+    assert (wan.output, wan.cfg_argument, qwen.output, qwen.cfg_argument) == (
+        "video", "guidance_scale", "image", "true_cfg_scale")
+    assert _family("hunyuan-video-1.5").cfg_argument is None and _family("flux").cfg_argument == "true_cfg_scale"
+    base = dict(name="x", transformers=("X",), attention=wan.attention)
+    plain = ModelFamily(**base)  # a record that sets none of them: defaults
+    assert (plain.output, plain.cfg_argument, plain.tiny) == (None, "guidance_scale", {})
+    tiny = TinyPipeline("XPipeline", builder="m.n:build", shape=(32, 32, None))
+    with pytest.raises(ValueError, match=r"output must be one of \['image', 'video'\] or None, got 'gif'"):
+        ModelFamily(**base, output="gif")
+    with pytest.raises(ValueError, match=r"tiny must map kinds of run of its output \('video'"):
+        ModelFamily(**base, output="video", tiny={"t2i": tiny})
+    with pytest.raises(ValueError, match="num_frames for a video family"):
+        ModelFamily(**base, output="video", tiny={"t2v": tiny})
+    with pytest.raises(ValueError, match="cfg_argument must be a pipeline argument name"):
+        ModelFamily(**base, cfg_argument="true cfg")
+    with pytest.raises(ValueError, match="builder must be a 'package.module:function' reference"):
+        TinyPipeline("XPipeline", builder="m.build", shape=(32, 32, None))
+    with pytest.raises(ValueError, match=r"shape must be \(height, width, num_frames or None\)"):
+        TinyPipeline("XPipeline", builder="m:b", shape=(32, 32))
+
+
+def test_guidance_scale_a_pipeline_cannot_take_is_refused_before_loading(tmp_path):
+    idx = tmp_path / "model_index.json"
+    for cls, why in (("FluxControlPipeline", "takes no true_cfg_scale"),
+                     ("HunyuanVideo15Pipeline", "takes no guidance scale argument")):
+        idx.write_text(json.dumps({"_class_name": cls}))
+        with pytest.raises(SystemExit, match=f"--guidance-scale is not supported by {cls}, which .*{why}"):
+            main(["generate", "--model", str(tmp_path), "--guidance-scale", "3", "--output",
+                  str(tmp_path / "o.mp4")])
 
 
 def test_family_flag_takes_registered_families_and_runs_only_tiny_ones():

@@ -125,40 +125,6 @@ def test_a_rope_module_of_another_kind_keeps_diffusers_tables():
         assert (model(**inputs).sample - stock(**inputs).sample).abs().max().item() <= TOL
 
 
-def test_patch_is_on_the_instance_reversible_and_idempotent():
-    from diffusers import LTXVideoTransformer3DModel
-    from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
-
-    pipe, other = tl.tiny_ltx_pipeline("t2v"), tl.tiny_ltx_pipeline("t2v", seed=1)
-    lite_boost.boost(pipe)
-    state, proc = pipe.transformer._lite_boost, pipe.transformer.transformer_blocks[0].attn1.processor
-    lite_boost.boost(pipe)
-    assert pipe.transformer._lite_boost is state and pipe.transformer.transformer_blocks[0].attn1.processor is proc
-    assert proc.role == "self" and pipe.transformer.transformer_blocks[0].attn2.processor.role == "cross"
-    assert "forward" in pipe.transformer.rope.__dict__ and "forward" not in other.transformer.rope.__dict__
-    assert isinstance(other.transformer.transformer_blocks[0].attn1.processor, LTXVideoAttnProcessor)
-    assert LTXVideoTransformer3DModel.forward.__module__ == "diffusers.models.transformers.transformer_ltx"
-    lite_boost.boost(pipe, {"attention_backend": "sdpa"})
-    assert pipe.transformer.transformer_blocks[1].attn2.processor.backend == "sdpa"
-    lite_boost.unboost(pipe)
-    assert not lite_boost.api.is_boosted(pipe) and "forward" not in pipe.transformer.rope.__dict__
-    assert isinstance(pipe.transformer.transformer_blocks[1].attn1.processor, LTXVideoAttnProcessor)
-
-
-def test_bf16_stays_close_to_stock():
-    pipe = tl.tiny_ltx_pipeline("t2v", dtype=torch.bfloat16)
-
-    def kw():
-        call = tl.call_kwargs("t2v")
-        return {**call, "prompt_embeds": call["prompt_embeds"].bfloat16(),
-                "negative_prompt_embeds": call["negative_prompt_embeds"].bfloat16()}
-
-    stock = pipe(**kw()).frames.float()
-    lite_boost.boost(pipe)
-    got = pipe(**kw()).frames.float()
-    assert torch.isfinite(got).all() and (got - stock).norm() / stock.norm() < 0.02
-
-
 # --------------------------------------------------------------------------------------------- sparse
 SPARSE = dict(height=128, width=256, frames=25)  # 4 x 4 x 8 = 128 video tokens, 32 blocks of 4
 
@@ -282,7 +248,7 @@ def test_batched_cfg_parallel_refuses_a_cache_that_decides_from_the_batch():
 
 
 # --------------------------------------------------------------------------------------------- compile
-@pytest.mark.parametrize("kind", ["stock", "dense", "sparse", "per_token", "coords"])
+@pytest.mark.parametrize("kind", ["sparse", "per_token", "coords"])  # stock, dense: test_family_contract.py
 def test_explain_reports_no_graph_break(kind, fresh_dynamo):
     model = tl.tiny_ltx_transformer()
     if kind != "stock":
@@ -296,7 +262,7 @@ def test_explain_reports_no_graph_break(kind, fresh_dynamo):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["sparse"])  # dense: test_ltx_diffusers_model.py::test_torch_compile_repeated_blocks
+@pytest.mark.parametrize("kind", ["sparse"])  # dense: tests/test_family_contract.py
 def test_compile_repeated_blocks_fullgraph_matches_eager(kind, fresh_dynamo):
     """diffusers' regional compile recipe with inductor on a boosted transformer, two steps."""
     model = tl.tiny_ltx_transformer()

@@ -15,7 +15,9 @@ import _dist_hunyuan15_vae_cases as cases
 from _dist_utils import run_ranks
 
 from lite_boost.parallel.comm import Communicator
-from lite_boost.parallel.vae import SpatialLayout, _Collectives, _SpatialSplit, plan_chunks, vae_adapter_for
+from lite_boost.parallel.vae import SpatialLayout, plan_chunks, vae_adapter_for
+from lite_boost.parallel.vae.collectives import _Collectives
+from lite_boost.parallel.vae.spatial import _SpatialSplit
 
 TOL = 1e-5
 
@@ -53,7 +55,7 @@ def test_replicate_modules_cannot_be_pairs():
 def test_wrapper_conv_is_found_for_the_kernel_policies():
     """A halo module that pads and then calls its one Conv3d (a causal conv wrapper): the CPU overlap policy
     reads that conv's weight (above 1 MB fp32: one call, not three) and the kernel patch goes on that conv."""
-    from lite_boost.parallel.vae import _conv_of, _overlap_pays
+    from lite_boost.parallel.vae.spatial import _conv_of, _overlap_pays
 
     class Wrapper(torch.nn.Module):
         def __init__(self, c):

@@ -187,7 +187,7 @@ def test_adapter_modes_refuse_before_any_collective():
 def test_band_random_draws_the_full_frame():
     """Exact mode's ``band_random`` modules: a draw of the band's rows (dim -2) inside one draws the whole
     frame from the same generator state and keeps this rank's rows; other shapes pass through."""
-    from lite_boost.parallel.vae import _Band, _FullFrameRandom
+    from lite_boost.parallel.vae.spatial import _Band, _FullFrameRandom
 
     band = _Band()
     band.sizes = [3, 2]  # root rows; this resolution has twice as many

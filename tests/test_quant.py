@@ -362,12 +362,17 @@ def test_composes_with_sparse_attention_and_step_caching():
 
 @pytest.mark.slow
 def test_parallel_manager_ranks_quantize_alike_and_match_one_process():
-    """2 gloo ranks (Ulysses over 45 tokens, 3 heads) and cfg 2 with int8 layers = the one-process quantized boost."""
+    """2 gloo ranks (Ulysses over 45 tokens, 3 heads) and cfg 2 with int8 layers = the one-process quantized boost;
+    with int8 attention on top where the CPU runs it."""
     import _dist_quant_cases as cases
     from _dist_utils import run_ranks
 
+    from lite_boost.ops.precision import cpu_int8_reason
+
     results = run_ranks(cases.quantized_parallel, 2, timeout=300)
+    expected = {"seq2", "cfg2_sparse"} | ({"seq2_attn8", "cfg2_sparse_attn8"} if cpu_int8_reason() is None else set())
     for rank, res in enumerate(results):
+        assert set(res) == expected, (rank, sorted(res))
         for name, r in res.items():
             assert r["max_diff"] <= 1e-5, (rank, name, r)
             assert r["layers"] == 20 and r["quant_rel_err"] > 1e-4, (rank, name, r)

@@ -44,25 +44,6 @@ def test_boosted_pipeline_matches_stock(kind, spec, two_stage):
     assert abs(boosted_video - stock_video).max() <= TOL
 
 
-def test_patch_is_on_the_instance_and_reversible():
-    from diffusers import WanTransformer3DModel
-    from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanRotaryPosEmbed
-
-    pipe = tiny_wan_pipeline("t2v")
-    other = tiny_wan_pipeline("t2v", seed=1)
-    lite_boost.boost(pipe)
-    assert "forward" in pipe.transformer.rope.__dict__
-    assert "forward" not in other.transformer.rope.__dict__
-    assert isinstance(other.transformer.blocks[0].attn1.processor, WanAttnProcessor)
-    assert WanRotaryPosEmbed.forward.__qualname__ == "WanRotaryPosEmbed.forward"
-    assert WanTransformer3DModel.forward.__module__ == "diffusers.models.transformers.transformer_wan"
-    assert lite_boost.api.is_boosted(pipe) and not lite_boost.api.is_boosted(other)
-    lite_boost.unboost(pipe)
-    assert not lite_boost.api.is_boosted(pipe)
-    assert "forward" not in pipe.transformer.rope.__dict__
-    assert isinstance(pipe.transformer.blocks[1].attn2.processor, WanAttnProcessor)
-
-
 def test_boost_twice_is_idempotent_and_reconfigurable():
     pipe = tiny_wan_pipeline("t2v")
     lite_boost.boost(pipe)
@@ -78,23 +59,6 @@ def test_boost_twice_is_idempotent_and_reconfigurable():
 
     lite_boost.unboost(pipe)
     assert isinstance(pipe.transformer.blocks[0].attn1.processor, WanAttnProcessor)
-
-
-def test_to_save_and_reload(tmp_path):
-    from diffusers import WanTransformer3DModel
-
-    pipe = tiny_wan_pipeline("t2v")
-    stock = _run(pipe, "t2v")
-    lite_boost.boost(pipe)
-    pipe.to("cpu")
-    pipe.transformer.to(torch.float32).eval()
-    assert (_run(pipe, "t2v") - stock).abs().max().item() <= TOL
-    pipe.transformer.save_pretrained(tmp_path / "t")
-    reloaded = WanTransformer3DModel.from_pretrained(tmp_path / "t")
-    for (n1, p1), (n2, p2) in zip(pipe.transformer.state_dict().items(), reloaded.state_dict().items()):
-        assert n1 == n2 and torch.equal(p1, p2)
-    pipe.save_pretrained(tmp_path / "pipe")
-    assert (tmp_path / "pipe" / "model_index.json").exists()
 
 
 def test_transformer_alone_and_rope_output():
@@ -115,34 +79,3 @@ def test_transformer_alone_and_rope_output():
     assert (out - ref).abs().max().item() <= TOL
 
 
-def test_bf16_pipeline_stays_close_to_stock():
-    pipe = tiny_wan_pipeline("t2v", dtype=torch.bfloat16)
-    stock = _run(pipe, "t2v")
-    lite_boost.boost(pipe)
-    boosted = _run(pipe, "t2v")
-    # fp32 RoPE vs diffusers' (bf16-cast tables after .to(bf16)): close, not bit-equal
-    assert torch.isfinite(boosted).all()
-    rel = (boosted.float() - stock.float()).norm() / stock.float().norm()
-    assert rel < 0.05
-
-
-@pytest.mark.slow
-def test_boosted_transformer_compiles_and_matches_stock():
-    import warnings
-
-    from lite_boost.demo import tiny_wan_transformer
-
-    model = tiny_wan_transformer(TinyWanSpec(heads=2))
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 16, 3, 10, 14, generator=g)
-    t = torch.tensor([500])
-    ctx = torch.randn(1, 7, 32, generator=g)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ref = model(x, t, ctx).sample
-        boosted = lite_boost.boost(model)
-        eager = boosted(x, t, ctx).sample
-        compiled = torch.compile(boosted, fullgraph=True)  # no graph break (see test_compile.py)
-        out = compiled(x, t, ctx).sample
-    assert (out - ref).abs().max().item() <= TOL
-    assert (out - eager).abs().max().item() <= 1e-4

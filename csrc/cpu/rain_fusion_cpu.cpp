@@ -446,7 +446,7 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
         w.qs.resize(mq);
         w.qm.resize(mq);
         w.si.resize(mq * kv_tile);
-        if (pv16) w.p16.resize(mq * kv_tile);
+        if (pv16) w.p16.resize(mq * (kv_tile + 1));  // rows of an even stride (see the P V brgemm below)
         if (!pv16 && !kF32) w.v.resize(kv_tile * dv);
         w.q.resize(d);
       } else if (half_mode) {
@@ -574,7 +574,7 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
             const Vec vm(-m_new), vsc(sc);
             int64_t c = 0;
             // int8 mode with bf16 P V: P goes straight to its bf16 row (AVX512-BF16), else through the fp32 row
-            at::BFloat16* p16row = lowp && pv16 ? w.p16.data() + r * kn : nullptr;
+            at::BFloat16* p16row = lowp && pv16 ? w.p16.data() + r * (kn + (kn & 1)) : nullptr;
             int64_t conv_from = 0;  // P's columns [conv_from, kn) still to be converted to bf16
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
             if (p16row) {
@@ -608,16 +608,21 @@ void run_cpu(const RainFusionProblem& p, const at::Tensor& query, const at::Tens
           // acc (rows x dv) (+)= P V
           if (lowp && pv16) {
             // P in bf16 against the head's bf16 VNNI V: one brgemm per run of consecutive blocks where blocks
-            // have an even token count (the padded layout is then contiguous), else one per block
+            // have an even token count (the padded layout is then contiguous), else one per block.
+            // The reduction length is always rounded up to even: oneDNN's AMX-BF16 micro-kernel faults (SIGILL)
+            // on an odd K. The extra term is exact: it meets the zero pad row of the block's V pairs, times a
+            // finite P entry (the next column, or the zero / finite pad column of P's even row stride).
             const at::BFloat16* vq = ih.vq.data();
+            const int64_t ldp = kn + (kn & 1);
+            auto even = [](int64_t x) { return x + (x & 1); };
             for (int64_t sg = 0, off = 0; sg < nseg; off += seg_len[sg++]) {
               if (bkp == bk) {
-                at::native::cpublas::brgemm(rows, dv, seg_len[sg], kn, dv, dv, !(first && sg == 0), w.p16.data() + off,
-                                            vq + seg_tok[sg] * dv, acc, true);
+                at::native::cpublas::brgemm(rows, dv, even(seg_len[sg]), ldp, dv, dv, !(first && sg == 0),
+                                            w.p16.data() + off, vq + seg_tok[sg] * dv, acc, true);
               } else {
                 for (int64_t t = 0; t < seg_len[sg]; t += bk) {
                   const int64_t blk = (seg_tok[sg] + t) / bk;
-                  at::native::cpublas::brgemm(rows, dv, std::min(bk, seg_len[sg] - t), kn, dv, dv,
+                  at::native::cpublas::brgemm(rows, dv, even(std::min(bk, seg_len[sg] - t)), ldp, dv, dv,
                                               !(first && sg == 0 && t == 0), w.p16.data() + off + t,
                                               vq + blk * bkp * dv, acc, true);
                 }

@@ -28,9 +28,9 @@ shim in ``lite_boost/models/<family>.py``, registered with ``register_family``.
 """
 
 from .boost import BoostState, boost_model, boost_pipeline, unboost_model, unboost_pipeline
-from .family import FEATURES, JOINT_LAYOUTS, AttentionSite, ModelFamily, RopeSource
+from .family import FEATURES, JOINT_LAYOUTS, AttentionSite, ModelFamily, RopeSource, TinyPipeline
 from .processor import ROLES, DenseAttention, LiteBoostProcessor, rotate_qk
 
 __all__ = ["AttentionSite", "BoostState", "DenseAttention", "FEATURES", "JOINT_LAYOUTS", "LiteBoostProcessor",
-           "ModelFamily", "ROLES", "RopeSource", "boost_model", "boost_pipeline", "rotate_qk", "unboost_model",
+           "ModelFamily", "ROLES", "RopeSource", "TinyPipeline", "boost_model", "boost_pipeline", "rotate_qk", "unboost_model",
            "unboost_pipeline"]

@@ -39,7 +39,9 @@ from ..offload import offload_module, offload_pipeline, reapply_user_offload, re
 from ..ops.rope import RopeCache
 from ..quant import check_uninstall_quant, install_quant, uninstall_quant
 from .cache import install_cache, uninstall_cache
+from .loaders import install_loader_guards, install_pipeline_guards, uninstall_loader_guards, uninstall_pipeline_guards
 from .processor import DenseAttention, LiteBoostProcessor
+from .steps import attach_step_check, detach_step_check
 from .sparse import attach_pipeline, install_sparse, uninstall_sparse
 
 __all__ = ["BoostState", "boost_model", "unboost_model", "boost_pipeline", "unboost_pipeline", "match_sites",
@@ -202,6 +204,7 @@ def boost_model(family, model, config: BoostConfig | None = None, onload_device=
     if config.offload is not None:  # before the step cache: a skipped block is then not uploaded either
         offload_module(model, config.offload, onload_device)
     install_cache(model, state, checked=plan is not None)  # diffusers' step-cache hooks when config.cache asks
+    install_loader_guards(model, state)  # what diffusers' loaders may do to the boosted instance
     setattr(model, STATE_ATTR, state)
     return model
 
@@ -212,6 +215,8 @@ def unboost_model(model):
     if state is None:
         return model
     check_uninstall_quant(state)  # QuantError before anything is undone when the weights were not kept
+    uninstall_loader_guards(model, state)
+    detach_step_check(model, state)
     uninstall_cache(model, state)
     remove_offload(model)  # weights back home (before the quantized weights are swapped back)
     for name, proc in state.original_processors.items():
@@ -276,7 +281,9 @@ def boost_pipeline(family, pipe, config: BoostConfig | None = None, onload_devic
     for module in transformers:
         boost_model(family, module, config, onload_device, plan=plan)
         attach_pipeline(module, pipe)  # the sparse schedule follows pipe.scheduler's step
+        attach_step_check(module, pipe)  # sparse / cache settings that do nothing at a run's step count: said
     offload_pipeline(pipe, config.offload, family.pipeline.transformers, onload_device)
+    install_pipeline_guards(pipe)
     return pipe
 
 
@@ -284,4 +291,5 @@ def unboost_pipeline(family, pipe):
     for _, module in pipeline_transformers(family, pipe):
         unboost_model(module)
     offload_pipeline(pipe, None, family.pipeline.transformers)
+    uninstall_pipeline_guards(pipe)
     return pipe

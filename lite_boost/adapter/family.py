@@ -18,12 +18,17 @@ from ..parallel.plan import PipelinePlan, ShardingPlan
 from . import boost as _boost
 from .processor import ROLES
 
-__all__ = ["AttentionSite", "RopeSource", "ModelFamily", "FEATURES", "JOINT_LAYOUTS", "feature_error"]
+__all__ = ["AttentionSite", "RopeSource", "TinyPipeline", "ModelFamily", "FEATURES", "JOINT_LAYOUTS", "OUTPUTS",
+           "RUN_KINDS", "feature_error", "resolve_ref"]
 
 # How the text meets the image / video tokens:
 # "cross": separate cross-attention (Wan, LTX); "text_first": joint attention over [text, image]
 # (Qwen-Image, Flux, CogVideoX); "image_first": joint attention over [image, text] (HunyuanVideo).
 JOINT_LAYOUTS = ("cross", "text_first", "image_first")
+
+# What a family's pipelines make (``ModelFamily.output``) and the kinds of run of each (text- or image-conditioned).
+OUTPUTS = ("image", "video")
+RUN_KINDS = {"video": ("t2v", "i2v"), "image": ("t2i", "i2i")}
 
 # Features a family may support (``ModelFamily.features``; ``lite-boost models`` lists them).
 FEATURES = ("dense", "sparse", "sequence_parallel", "cfg_parallel", "step_cache", "compile", "parallel_vae", "quant")
@@ -37,6 +42,78 @@ def feature_error(family, feature: str, option: str) -> ConfigError:
     others = [f.name for f in families() if f.supports(feature)]
     return ConfigError(f"{option} is not supported for the {family.name} family "
                        f"({family.features[feature]}); families with {feature}: {others}")
+
+
+def resolve_ref(ref: str):
+    """The object a ``"package.module:attribute"`` reference names (imported when called: records refer to
+    code above their layer, such as the built-in tiny pipelines of :mod:`lite_boost.demo`, by name)."""
+    import importlib
+
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _check_ref(owner: str, what: str, ref, optional: bool = False) -> None:
+    if optional and ref is None:
+        return
+    module, sep, attr = ref.partition(":") if isinstance(ref, str) else ("", "", "")
+    if not (sep and module and attr.isidentifier()):
+        raise ValueError(f"{owner}: {what} must be a 'package.module:function' reference, got {ref!r}")
+
+
+@dataclass(frozen=True)
+class TinyPipeline:
+    """A built-in tiny random-weight pipeline of a family: what ``lite-boost generate --family NAME`` runs
+    offline without ``--model`` (one per kind of run, :attr:`ModelFamily.tiny`).
+
+    pipeline: the diffusers pipeline class name it builds.
+    builder: ``"module:function"``; ``function(kind, dtype=...) -> pipeline`` builds it (imported when run).
+    shape: default (height, width, num_frames) of the run; num_frames None for an image family.
+    steps: default denoising steps.
+    sparsity: default ``--sparsity`` of the run (0 = dense).
+    describe: ``"module:function"``; ``function(pipe, call_kwargs) -> str``: the one line the command prints
+        about the model (sizes, tokens, text), or None.
+    prompt: ``"module:function"``; ``function(pipe, *, cfg, seed) -> dict``: the prompt arguments of a call
+        when the built pipeline has no text encoder (random prompt embeddings), or None (``prompt`` /
+        ``negative_prompt`` strings).
+    default: this is the run of a bare ``lite-boost generate`` (exactly one registered tiny pipeline says so).
+    """
+
+    pipeline: str
+    builder: str
+    shape: tuple
+    steps: int = 10
+    sparsity: float = 0.0
+    describe: str | None = None
+    prompt: str | None = None
+    default: bool = False
+
+    def __post_init__(self):
+        owner = f"TinyPipeline {self.pipeline!r}"
+        if not isinstance(self.pipeline, str) or not self.pipeline:
+            raise ValueError(f"TinyPipeline.pipeline must be a diffusers pipeline class name, got {self.pipeline!r}")
+        _check_ref(owner, "builder", self.builder)
+        _check_ref(owner, "describe", self.describe, optional=True)
+        _check_ref(owner, "prompt", self.prompt, optional=True)
+        shape = tuple(self.shape)
+        if (len(shape) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in shape[:2])
+                or not (shape[2] is None or (isinstance(shape[2], int) and shape[2] > 0))):
+            raise ValueError(f"{owner}: shape must be (height, width, num_frames or None), got {self.shape!r}")
+        object.__setattr__(self, "shape", shape)
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"{owner}: steps must be a positive int, got {self.steps!r}")
+        if not isinstance(self.sparsity, (int, float)) or not 0.0 <= self.sparsity < 1.0:
+            raise ValueError(f"{owner}: sparsity must be in [0, 1), got {self.sparsity!r}")
+
+    def build(self, kind: str, dtype):
+        """The tiny pipeline (random weights, built offline)."""
+        return resolve_ref(self.builder)(kind, dtype=dtype)
+
+    def describe_run(self, pipe, call_kwargs) -> str | None:
+        return resolve_ref(self.describe)(pipe, call_kwargs) if self.describe is not None else None
+
+    def prompt_kwargs(self, pipe, *, cfg: bool, seed: int) -> dict | None:
+        return resolve_ref(self.prompt)(pipe, cfg=cfg, seed=seed) if self.prompt is not None else None
 
 
 @dataclass(frozen=True)
@@ -136,6 +213,14 @@ class ModelFamily:
         omitted = the class defaults), ``text_encoder`` ((transformers class name, config) or omitted),
         ``shape`` ((num_frames, height, width)), ``vae_scale`` ((t, h, w) down-sampling); see
         :func:`lite_boost.memory.dims_for_family`.
+    output: what its pipelines make, one of :data:`OUTPUTS` ("image", "video"), or None: read from each
+        pipeline's call signature (``num_frames``), as for the generic path.
+    cfg_argument: the pipelines' call argument that takes the classifier-free guidance scale
+        (``"guidance_scale"``; Qwen-Image's and Flux's true CFG: ``"true_cfg_scale"``), or None when the
+        pipelines take none (a guider object holds it). ``lite-boost generate --guidance-scale`` sets it.
+    tiny: kind of run (:data:`RUN_KINDS` of ``output``: "t2v" / "i2v", "t2i" / "i2i") -> the built-in tiny
+        pipeline (:class:`TinyPipeline`) ``lite-boost generate --family NAME`` runs without ``--model``;
+        empty = the family has none.
     """
 
     name: str
@@ -156,6 +241,9 @@ class ModelFamily:
     notes: str = ""
     tensor_parallel: Any = None
     reference: Mapping[str, Any] = field(default_factory=dict)
+    output: str | None = None
+    cfg_argument: str | None = "guidance_scale"
+    tiny: Mapping[str, TinyPipeline] = field(default_factory=dict)
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -179,6 +267,22 @@ class ModelFamily:
         unknown = sorted(set(self.unsupported) - set(FEATURES))
         if unknown:
             raise ValueError(f"family {self.name!r}: unknown feature(s) {unknown} in unsupported; features: {list(FEATURES)}")
+        if self.output is not None and self.output not in OUTPUTS:
+            raise ValueError(f"family {self.name!r}: output must be one of {list(OUTPUTS)} or None, got {self.output!r}")
+        if self.cfg_argument is not None and not (isinstance(self.cfg_argument, str)
+                                                  and self.cfg_argument.isidentifier()):
+            raise ValueError(f"family {self.name!r}: cfg_argument must be a pipeline argument name or None, got "
+                             f"{self.cfg_argument!r}")
+        if self.tiny:
+            kinds = RUN_KINDS.get(self.output, ())
+            bad = [k for k in self.tiny if k not in kinds]
+            if bad or not all(isinstance(t, TinyPipeline) for t in self.tiny.values()):
+                raise ValueError(f"family {self.name!r}: tiny must map kinds of run of its output ({self.output!r}: "
+                                 f"{list(kinds)}; set output) to TinyPipeline records, got {dict(self.tiny)!r}")
+            if any((t.shape[2] is None) != (self.output == "image") for t in self.tiny.values()):
+                raise ValueError(f"family {self.name!r}: a tiny pipeline's shape has num_frames for a video family "
+                                 "and None for an image family")
+        object.__setattr__(self, "tiny", dict(self.tiny))
         object.__setattr__(self, "boost_transformer", self._make_boost(transformer=True))
         object.__setattr__(self, "boost_pipeline", self._make_boost(transformer=False))
 
@@ -266,6 +370,9 @@ class ModelFamily:
             "quant_patterns": list(self.quant_patterns),
             "features": self.features,
             "notes": self.notes,
+            "output": self.output,
+            "cfg_argument": self.cfg_argument,
+            "tiny": {kind: t.pipeline for kind, t in self.tiny.items()},
         }
 
     def __repr__(self) -> str:

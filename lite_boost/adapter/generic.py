@@ -33,7 +33,7 @@ import itertools
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -48,8 +48,11 @@ from .boost import STATE_ATTR, BoostState, check_attention_precision
 from .cache import install_cache, uninstall_cache
 from .family import FEATURES
 from .generic_parallel import cp_plan_of, key_padding_mask as _key_padding_mask, sequence_plan
+from .loaders import AFTER_SWAP_KEY, install_loader_guards, install_pipeline_guards, uninstall_loader_guards, uninstall_pipeline_guards
+from .steps import attach_step_check, detach_step_check
 from .generic_sparse import SPARSE_CACHE_METHODS, install_generic_sparse, latent_grid, uninstall_generic_sparse
 from .processor import DenseAttention
+from .shims import SEA_CACHE_WHY_NOT, patch_size
 
 __all__ = ["GENERIC", "class_family", "GenericAttention", "GenericFamily", "attention_problem", "boost_generic", "class_problem",
            "generic_family", "generic_pipeline_family", "installed_transformer_classes", "repeated_block_patterns",
@@ -222,7 +225,7 @@ def _cache_problems(model) -> dict[str, str]:
         problems["pyramid_attention_broadcast"] = "diffusers' hook finds no attention layer in its transformer blocks"
     if not any(n == "proj_out" for n, _ in model.named_modules()):
         problems["taylorseer_cache"] = "diffusers' default TaylorSeer layers (proj_out) are missing; pass cache_identifiers"
-    problems["sea_cache"] = "diffusers' SeaCache derives its indicator for Wan text-to-video and Cosmos only"
+    problems["sea_cache"] = SEA_CACHE_WHY_NOT
     return problems
 
 
@@ -232,23 +235,6 @@ def _registered(registry, cls) -> bool:
         return True
     except ValueError:
         return False
-
-
-def _patch_size(config) -> tuple[int, int, int] | None:
-    """(pt, ph, pw) from a model config's ``patch_size`` (int, (h, w) or (t, h, w)) and ``patch_size_t``."""
-    p = getattr(config, "patch_size", None) if config is not None else None
-    if p is None:
-        return None
-    if isinstance(p, int) and not isinstance(p, bool):
-        ph = pw = p
-        pt = getattr(config, "patch_size_t", None) or 1
-    elif isinstance(p, (list, tuple)) and len(p) in (2, 3) and all(isinstance(x, int) for x in p):
-        pt, ph, pw = (1, *p) if len(p) == 2 else p
-        if len(p) == 2:
-            pt = getattr(config, "patch_size_t", None) or 1
-    else:
-        return None
-    return (int(pt), int(ph), int(pw))
 
 
 # ----------------------------------------------------------------------------------------------- #
@@ -278,6 +264,9 @@ class GenericFamily:
     pipeline: PipelinePlan = field(default_factory=lambda: PipelinePlan(transformers=PIPELINE_TRANSFORMERS))
     sharding: object = None
     notes: str = ""
+    output: str | None = None  # what the command line reads of a family record: see GenericPipelineFamily
+    cfg_argument: str | None = "guidance_scale"
+    tiny: Mapping = field(default_factory=dict)
 
     @property
     def transformers(self) -> tuple[str, ...]:
@@ -339,7 +328,7 @@ def generic_family(model) -> GenericFamily:
     problems = _cache_problems(model)
     methods = tuple(m for m in CACHE_METHODS if m not in problems)
     cache = CacheAdapter(methods=methods, why_not=problems) if methods else None
-    patch = _patch_size(getattr(model, "config", None))
+    patch = patch_size(getattr(model, "config", None))
     splan = sequence_plan(model)
     unsupported = {
         "cfg_parallel": "no pipeline plan on the generic path",
@@ -388,8 +377,7 @@ def class_family(cls: type, pipeline_class: str | None = None) -> GenericFamily:
     cache = None
     if issubclass(cls, CacheMixin):
         cache = CacheAdapter(methods=tuple(m for m in CACHE_METHODS if m != "sea_cache"),
-                             why_not={"sea_cache": "diffusers' SeaCache derives its indicator for Wan text-to-video "
-                                                   "and Cosmos only"})
+                             why_not={"sea_cache": SEA_CACHE_WHY_NOT})
     else:
         unsupported["step_cache"] = f"{cls.__name__} has no enable_cache (diffusers' CacheMixin)"
     return GenericFamily(model_class=cls.__name__, cache=cache, unsupported=unsupported,
@@ -513,12 +501,31 @@ def _install_backend(model, state: BoostState) -> None:
         proc._attention_backend = name
     state.extras[CONTEXT_KEY] = ctx
     state.extras["generic_backends"] = list(originals.values())
+    state.extras[AFTER_SWAP_KEY] = repoint_processors  # a processor swap on the boosted model keeps this backend
 
 
 _ABSENT = object()
 
 
+def repoint_processors(model, state: BoostState) -> None:
+    """After a processor swap on a boosted model: the new processors that go through diffusers' dispatcher take
+    this model's lite_boost backend too (their previous value kept for ``unboost``), as at boost time."""
+    ctx = state.extras.get(CONTEXT_KEY)
+    if ctx is None or ctx.name is None:
+        return
+    recorded = state.extras.setdefault("generic_backends", [])
+    seen = {id(p) for p, _ in recorded}
+    for _, module in _attention_modules(model):
+        proc = module.processor
+        if id(proc) in seen or not _processor_dispatches(type(proc)):
+            continue
+        seen.add(id(proc))
+        recorded.append((proc, proc.__dict__.get("_attention_backend", _ABSENT)))
+        proc._attention_backend = ctx.name
+
+
 def _uninstall_backend(model, state: BoostState) -> None:
+    state.extras.pop(AFTER_SWAP_KEY, None)
     for proc, previous in state.extras.pop("generic_backends", ()):
         if previous is _ABSENT:
             proc.__dict__.pop("_attention_backend", None)
@@ -560,6 +567,7 @@ def boost_generic(model, config: BoostConfig | None = None, *, plan=None):
         _install_backend(model, state)
         install_generic_sparse(model, state, state.extras[CONTEXT_KEY])
         install_cache(model, state, checked=plan is not None)
+        install_loader_guards(model, state)
     except BaseException:
         _undo(model, state)
         raise
@@ -568,6 +576,8 @@ def boost_generic(model, config: BoostConfig | None = None, *, plan=None):
 
 
 def _undo(model, state: BoostState) -> None:
+    uninstall_loader_guards(model, state)
+    detach_step_check(model, state)
     uninstall_generic_sparse(model, state, state.extras.get(CONTEXT_KEY))
     uninstall_cache(model, state)
     _uninstall_backend(model, state)
@@ -605,6 +615,11 @@ class GenericPipelineFamily:
     joint: str = "unknown"
     sharding: object = None
     notes: str = ""
+    # what the command line reads of a family record (ModelFamily): what the pipeline makes is unknown here, its
+    # CFG scale argument is diffusers' usual one (checked against the pipeline's signature), no built-in tiny run
+    output: str | None = None
+    cfg_argument: str | None = "guidance_scale"
+    tiny: Mapping = field(default_factory=dict)
     pipeline: PipelinePlan = field(default_factory=lambda: PipelinePlan(transformers=PIPELINE_TRANSFORMERS))
 
     @property
@@ -703,6 +718,8 @@ def boost_generic_pipeline(pipe, config: BoostConfig | None = None, *, plan=None
         ctx = generic_context(model)
         if ctx is not None and ctx.sparse is not None:
             ctx.sparse.state.tracker.attach(pipe)
+        attach_step_check(model, pipe)
+    install_pipeline_guards(pipe)
     return pipe
 
 
@@ -710,6 +727,7 @@ def unboost_generic_pipeline(pipe):
     for _, model in pipeline_transformers(pipe):
         fn = lookup(model)
         fn.unboost(model)
+    uninstall_pipeline_guards(pipe)
     return pipe
 
 

@@ -30,6 +30,7 @@ import torch
 
 from ..config import ConfigError
 from ..schedule import SparseSchedule
+from .shims import call_arg, patch_grid
 from .sparse import _HANDLES, _STATES, STATE_KEY, ScheduledSparseAttention, SparseState, _arg_index, uninstall_sparse
 
 __all__ = ["GenericSparse", "install_generic_sparse", "latent_grid", "uninstall_generic_sparse", "SPARSE_CACHE_METHODS"]
@@ -47,11 +48,12 @@ def latent_grid(patch: tuple[int, int, int] | None, hidden_states) -> tuple[int,
     if patch is None or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() not in (4, 5):
         return None
     pt, ph, pw = patch
-    f = hidden_states.shape[2] if hidden_states.dim() == 5 else 1
+    video = hidden_states.dim() == 5
+    f = hidden_states.shape[2] if video else 1
     h, w = hidden_states.shape[-2:]
-    if (hidden_states.dim() == 5 and f % pt) or h % ph or w % pw:
+    if (video and f % pt) or h % ph or w % pw:
         return None
-    return (f // pt if hidden_states.dim() == 5 else 1, h // ph, w // pw)
+    return patch_grid((f, h, w), (pt if video else 1, ph, pw))
 
 
 class GenericSparse:
@@ -131,11 +133,8 @@ class GenericSparse:
 @torch.compiler.disable
 def _pre_forward(sparse: GenericSparse, args, kwargs):
     """Start of a transformer call (always eager: it reads the timestep's value and resets the call order)."""
-    hidden = kwargs.get("hidden_states", args[0] if args else None)
-    timestep = kwargs.get("timestep")
-    index = sparse.state.timestep_index
-    if timestep is None and index is not None and len(args) > index:
-        timestep = args[index]
+    hidden = call_arg(args, kwargs, "hidden_states", 0)
+    timestep = call_arg(args, kwargs, "timestep", sparse.state.timestep_index)
     sparse.start_call(latent_grid(sparse.patch, hidden), timestep)
 
 

@@ -21,7 +21,7 @@ import torch
 
 from ..ops.attention import attention
 from ..ops.joint import JointTokens, joint_attention
-from ..ops.rope import RotaryEmbedding, phasors_from_complex, rotate
+from ..ops.rope import RotaryEmbedding, phasors_from_complex, phasors_from_cos_sin, rotate
 
 __all__ = ["ROLES", "DenseAttention", "LiteBoostProcessor", "rotate_qk"]
 
@@ -96,16 +96,23 @@ class LiteBoostProcessor:
 
 
 def _as_phasors(emb) -> torch.Tensor:
-    """complex64 (1, S, 1, D/2) phasors from a RotaryEmbedding or a complex (S, D/2) table."""
+    """complex64 (1, S, 1, D/2) phasors from a RotaryEmbedding, a complex (S, D/2) table or diffusers'
+    interleaved real (cos, sin) tables (S, D)."""
     if isinstance(emb, RotaryEmbedding):
         return emb.freqs
     if isinstance(emb, torch.Tensor) and emb.is_complex() and emb.dim() == 2:
         return phasors_from_complex(emb).freqs
-    raise TypeError(f"expected a RotaryEmbedding or a complex (S, D/2) table, got {type(emb).__name__}")
+    if isinstance(emb, (tuple, list)) and len(emb) == 2:
+        cos, sin = emb
+        if isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor) and not cos.is_complex() and cos.dim() == 2:
+            return phasors_from_cos_sin(cos, sin).freqs
+    raise TypeError("expected a RotaryEmbedding, a complex (S, D/2) table or interleaved (cos, sin) tables (S, D), "
+                    f"got {type(emb).__name__}")
 
 
 def rotate_qk(q: torch.Tensor, k: torch.Tensor, emb) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate fresh q and k (B, S, H, D) in place, in fp32, by ``emb`` (RotaryEmbedding or complex table).
+    """Rotate fresh q and k (B, S, H, D) in place, in fp32, by ``emb`` (RotaryEmbedding, complex table, or
+    diffusers' interleaved real (cos, sin) tables).
 
     Only for q and k the caller owns (outputs of the projections / norms): the rotation overwrites them.
     """

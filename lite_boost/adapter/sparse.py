@@ -38,6 +38,7 @@ from ..config import SparseConfig
 from ..ops.joint import JointTokens
 from ..ops.sparse import BlockSelection, SparseStats, sparse_attention
 from ..schedule import SparseSchedule, StepTracker
+from .shims import call_arg
 
 __all__ = ["SparseState", "ScheduledSparseAttention", "SparseEvent", "install_sparse", "uninstall_sparse",
            "attach_pipeline", "STATE_KEY"]
@@ -97,9 +98,7 @@ class SparseState:
             # path into the timestep embedder (see timestep_pre_forward), ordered before every block.
             self.grid = grid
             return None
-        timestep = kwargs.get("timestep")
-        if timestep is None and self.timestep_index is not None and len(args) > self.timestep_index:
-            timestep = args[self.timestep_index]
+        timestep = call_arg(args, kwargs, "timestep", self.timestep_index)
         self.observe(grid, timestep)
         return None
 

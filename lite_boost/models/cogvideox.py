@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 
 from ..adapter import AttentionSite, LiteBoostProcessor, ModelFamily, rotate_qk
+from ..adapter.shims import SEA_CACHE_WHY_NOT, norm_qk, video_token_grid
 from ..cache import CacheAdapter
 from ..ops.joint import JointTokens
-from ..ops.rope import phasors_from_cos_sin
 from ..parallel.plan import CfgPlan, GatherOutput, PipelinePlan, ShardingPlan, SplitInput
 from ..registry import register_family
 
@@ -50,16 +50,13 @@ class CogVideoXJointProcessor(LiteBoostProcessor):
 
         def qkv(x):
             q, k, v = (p(x).unflatten(-1, (-1, head_dim)) for p in (attn.to_q, attn.to_k, attn.to_v))
-            if attn.norm_q is not None:
-                q = attn.norm_q(q)
-            if attn.norm_k is not None:
-                k = attn.norm_k(k)
+            q, k = norm_qk(attn, q, k)
             return q, k, v
 
         q, k, v = qkv(hidden_states)
         txt_q, txt_k, txt_v = qkv(encoder_hidden_states)
         if image_rotary_emb is not None:  # the pipeline's (cos, sin), video rows (this rank's under Ulysses)
-            q, k = rotate_qk(q, k, phasors_from_cos_sin(*image_rotary_emb))
+            q, k = rotate_qk(q, k, image_rotary_emb)
 
         out, txt_out = self.attn_fn(q, k, v, joint=JointTokens(txt_q, txt_k, txt_v, None, self.text_first))
 
@@ -70,14 +67,7 @@ class CogVideoXJointProcessor(LiteBoostProcessor):
         return project(out, q.dtype), project(txt_out, txt_q.dtype)
 
 
-def _token_grid(model, args, kwargs):
-    """(t, h, w) video token grid of a call, from the (B, F, C, H, W) input's shape."""
-    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
-    if hidden is None or hidden.dim() != 5:
-        return None
-    _, frames, _, height, width = hidden.shape
-    p, p_t = model.config.patch_size, model.config.patch_size_t
-    return (frames if p_t is None else frames // p_t), height // p, width // p
+_token_grid = video_token_grid(frames_dim=1)  # (B, F, C, H, W) latents
 
 
 COGVIDEOX_SHARDING_PLAN = ShardingPlan(
@@ -102,12 +92,13 @@ COGVIDEOX_PIPELINE_PLAN = PipelinePlan(
 # keeps one attention state for both branches, as the diffusers documentation's CogVideoX example does.
 COGVIDEOX_CACHE_ADAPTER = CacheAdapter(
     methods=("first_block_cache", "mag_cache", "taylorseer_cache", "pyramid_attention_broadcast"),
-    why_not={"sea_cache": "diffusers' SeaCache derives its indicator for Wan text-to-video and Cosmos only"},
+    why_not={"sea_cache": SEA_CACHE_WHY_NOT},
     probe_module="patch_embed",
 )
 
 COGVIDEOX = register_family(ModelFamily(
     name="cogvideox",
+    output="video",
     transformers=("CogVideoXTransformer3DModel",),
     pipelines=("CogVideoXPipeline", "CogVideoXImageToVideoPipeline", "CogVideoXVideoToVideoPipeline",
                "CogVideoXFunControlPipeline"),

@@ -34,6 +34,8 @@ from typing import NamedTuple
 import torch
 
 from ..adapter import AttentionSite, BoostState, DenseAttention, LiteBoostProcessor, ModelFamily, RopeSource, rotate_qk
+from ..adapter.shims import (SEA_CACHE_WHY_NOT, CachedRope, call_arg, norm_qk, packed_output_shape,
+                             separate_passes_why_not)
 from ..cache import CacheAdapter
 from ..ops.joint import JointTokens
 from ..ops.rope import RotaryEmbedding, phasors_from_cos_sin
@@ -58,17 +60,13 @@ class FluxCall(NamedTuple):
     img_ids: torch.Tensor | None
 
 
-def _arg(args, kwargs, name, index):
-    return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
-
-
 def _ids2d(ids):
     # diffusers' deprecated 3-D ids: the model takes the first batch element
     return ids[0] if isinstance(ids, torch.Tensor) and ids.ndim == 3 else ids
 
 
 def _call_context(model, args, kwargs) -> FluxCall:
-    return FluxCall(_ids2d(_arg(args, kwargs, "txt_ids", 5)), _ids2d(_arg(args, kwargs, "img_ids", 4)))
+    return FluxCall(_ids2d(call_arg(args, kwargs, "txt_ids", 5)), _ids2d(call_arg(args, kwargs, "img_ids", 4)))
 
 
 class FluxAttnProcessor(LiteBoostProcessor):
@@ -93,10 +91,10 @@ class FluxAttnProcessor(LiteBoostProcessor):
             return x.unflatten(-1, (-1, attn.head_dim))
 
         q, k, v = heads(q), heads(k), heads(v)
-        q, k = attn.norm_q(q), attn.norm_k(k)
+        q, k = norm_qk(attn, q, k)
         if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:  # dual-stream block
             txt_q, txt_k, txt_v = heads(txt_q), heads(txt_k), heads(txt_v)
-            txt_q, txt_k = attn.norm_added_q(txt_q), attn.norm_added_k(txt_k)
+            txt_q, txt_k = norm_qk(attn, txt_q, txt_k, added=True)
             if image_rotary_emb is not None:
                 txt_emb, img_emb = _split_tables(image_rotary_emb, txt_q.shape[1])
                 q, k = rotate_qk(q, k, img_emb)
@@ -179,7 +177,7 @@ def _tensor_keys(state: BoostState) -> _TensorKeys:
     return keys
 
 
-class CachedFluxRope:
+class CachedFluxRope(CachedRope):
     """Replacement ``forward`` of a ``FluxPosEmbed``: cached phasors for (text rows, image rows of this rank).
 
     The tables are the module's own (``type(rope).forward`` on the same ids: float64 angles, fp32
@@ -190,28 +188,24 @@ class CachedFluxRope:
     not that call's, it returns diffusers' (cos, sin) tables.
     """
 
-    def __init__(self, rope_module, state: BoostState):
-        self.rope = rope_module
-        self.state = state
-
     def __call__(self, ids: torch.Tensor):
-        rope, state = self.rope, self.state
+        state = self.state
         call = state.call
         txt, img = (call.txt_ids, call.img_ids) if isinstance(call, FluxCall) else (None, None)
         if not (isinstance(txt, torch.Tensor) and isinstance(img, torch.Tensor)) \
                 or txt.shape[0] + img.shape[0] != ids.shape[0]:
-            return type(rope).forward(rope, ids)
+            return self.original(ids)
         t, s = txt.shape[0], img.shape[0]
         start, stop = state.serve_range(s)
 
         def build():
-            cos, sin = type(rope).forward(rope, ids)
+            cos, sin = self.original(ids)
             return FluxRope(phasors_from_cos_sin(cos[:t], sin[:t]), phasors_from_cos_sin(cos[t:], sin[t:], start, stop))
 
         if torch.compiler.is_compiling():
             return build()
         keys = _tensor_keys(state)
-        return state.rope_cache.get_or_build(("flux", keys(txt), keys(img), str(ids.device), start, stop), build)
+        return self.cached(("flux", keys(txt), keys(img), str(ids.device), start, stop), build)
 
 
 def _is_flux_rope(rope) -> bool:
@@ -252,7 +246,7 @@ def _token_grid(model, args, kwargs):
     if torch.compiler.is_compiling():
         return None
     state = model._lite_boost
-    img = _ids2d(_arg(args, kwargs, "img_ids", 4))
+    img = _ids2d(call_arg(args, kwargs, "img_ids", 4))
     if not isinstance(img, torch.Tensor):
         return None
     memo = state.extras.setdefault(_GRIDS, {})
@@ -264,10 +258,7 @@ def _token_grid(model, args, kwargs):
     return memo[key]
 
 
-def _output_shape(model, args, kwargs):
-    """The transformer output (B, image tokens, patch * patch * out_channels) of a call."""
-    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    return (*hidden.shape[:2], model.proj_out.out_features)
+_output_shape = packed_output_shape  # (B, image tokens, patch * patch * out_channels)
 
 
 FLUX_SHARDING_PLAN = ShardingPlan(
@@ -297,8 +288,7 @@ _PIPELINES = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "Flu
 # diffusers does (Flux's two passes have one text length, so it runs; refused with cfg_degree 2).
 FLUX_CACHE_ADAPTER = CacheAdapter(
     methods=("first_block_cache", "mag_cache", "taylorseer_cache", "pyramid_attention_broadcast"),
-    why_not={"faster_cache": "it needs cond and uncond batched into one transformer call; Flux calls them separately",
-             "sea_cache": "diffusers' SeaCache derives its indicator for Wan text-to-video and Cosmos only"},
+    why_not={"faster_cache": separate_passes_why_not("Flux"), "sea_cache": SEA_CACHE_WHY_NOT},
     probe_module="x_embedder",
     timestep_scale=1000.0,  # the pipelines pass timestep / 1000
     refuse_pipelines={p: "it calls the transformer without cache_context, which diffusers' cache hooks need to keep "
@@ -307,6 +297,7 @@ FLUX_CACHE_ADAPTER = CacheAdapter(
 
 FLUX = register_family(ModelFamily(
     name="flux",
+    output="image", cfg_argument="true_cfg_scale",
     transformers=("FluxTransformer2DModel",),
     pipelines=_PIPELINES,
     attention=(AttentionSite("transformer_blocks.*.attn", FluxAttnProcessor, role="joint"),

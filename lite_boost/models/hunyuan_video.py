@@ -38,11 +38,13 @@ import math
 
 import torch
 
-from ..adapter import AttentionSite, BoostState, LiteBoostProcessor, ModelFamily, RopeSource, rotate_qk
+from ..adapter import AttentionSite, LiteBoostProcessor, ModelFamily, RopeSource, rotate_qk
+from ..adapter.shims import (SEA_CACHE_WHY_NOT, CachedRope, call_arg, norm_qk, patch_grid, patch_size,
+                             separate_passes_why_not, video_token_grid)
 from ..cache import CacheAdapter
 from ..config import ConfigError
 from ..ops.joint import JointTokens
-from ..ops.rope import RotaryEmbedding, phasors_from_cos_sin
+from ..ops.rope import phasors_from_cos_sin
 from ..parallel.plan import CfgPlan, GatherOutput, PipelinePlan, RankArg, ShardingPlan, SplitInput, SplitOutput
 from ..registry import register_family
 
@@ -55,25 +57,13 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.unflatten(2, (heads, -1))
 
 
-def _phasors(emb):
-    """Cached phasors as they are, diffusers' (cos, sin) tables (when its RoPE module is kept) converted."""
-    return emb if isinstance(emb, RotaryEmbedding) else phasors_from_cos_sin(*emb)
-
-
 def _project(attn, image, text, dual: bool):
     """Normalised (q, k, v) of the image and of the text stream, (B, S, H, D) each."""
     q, k, v = (_heads(p(image), attn.heads) for p in (attn.to_q, attn.to_k, attn.to_v))
     text_proj = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj) if dual else (attn.to_q, attn.to_k, attn.to_v)
     tq, tk, tv = (_heads(p(text), attn.heads) for p in text_proj)
-    nq, nk = (attn.norm_added_q, attn.norm_added_k) if dual else (attn.norm_q, attn.norm_k)
-    if attn.norm_q is not None:
-        q = attn.norm_q(q)
-    if attn.norm_k is not None:
-        k = attn.norm_k(k)
-    if nq is not None:
-        tq = nq(tq)
-    if nk is not None:
-        tk = nk(tk)
+    q, k = norm_qk(attn, q, k)
+    tq, tk = norm_qk(attn, tq, tk, added=dual)
     return (q, k, v), (tq, tk, tv)
 
 
@@ -100,8 +90,8 @@ class HunyuanVideoJointProcessor(LiteBoostProcessor):
         if encoder_hidden_states is None:
             raise ValueError("HunyuanVideoJointProcessor requires encoder_hidden_states (the text stream)")
         (q, k, v), (tq, tk, tv) = _project(attn, hidden_states, encoder_hidden_states, attn.add_q_proj is not None)
-        if image_rotary_emb is not None:  # image rows only
-            q, k = rotate_qk(q, k, _phasors(image_rotary_emb))
+        if image_rotary_emb is not None:  # image rows only: cached phasors, or diffusers' (cos, sin)
+            q, k = rotate_qk(q, k, image_rotary_emb)
         key_mask = None
         if attention_mask is not None:
             if attention_mask.dtype != torch.bool or attention_mask.ndim not in (2, 4) or (
@@ -127,7 +117,7 @@ class HunyuanVideo15JointProcessor(LiteBoostProcessor):
             raise ValueError("HunyuanVideo15JointProcessor requires encoder_hidden_states (the text stream)")
         (q, k, v), (tq, tk, tv) = _project(attn, hidden_states, encoder_hidden_states, True)
         if image_rotary_emb is not None:
-            q, k = rotate_qk(q, k, _phasors(image_rotary_emb))
+            q, k = rotate_qk(q, k, image_rotary_emb)
         key_mask = None if attention_mask is None else attention_mask.to(torch.bool)
         if key_mask is not None and tuple(key_mask.shape) != tuple(tq.shape[:2]):
             raise ValueError(f"HunyuanVideo15JointProcessor takes the (B, T) = {tuple(tq.shape[:2])} text mask, got "
@@ -147,7 +137,7 @@ def _is_hunyuan_rope(rope) -> bool:
                for c in (HunyuanVideoRotaryPosEmbed, HunyuanVideo15RotaryPosEmbed))
 
 
-class CachedHunyuanRope:
+class CachedHunyuanRope(CachedRope):
     """Replacement ``forward`` of a HunyuanVideo(-1.5) ``rope``: cached phasors for this rank's image rows.
 
     The tables are the module's own (the same float32 (cos, sin) arithmetic), converted once per (token
@@ -155,40 +145,25 @@ class CachedHunyuanRope:
     rows past the token count (padding of an equal sequence shard) are identity rotations.
     """
 
-    def __init__(self, rope_module, state: BoostState):
-        self.rope = rope_module
-        self.state = state
-
     def __call__(self, hidden_states: torch.Tensor):
         rope = self.rope
-        _, _, frames, height, width = hidden_states.shape
-        grid = (frames // rope.patch_size_t, height // rope.patch_size, width // rope.patch_size)
+        grid = patch_grid(hidden_states.shape[2:], patch_size(rope))
         start, stop = self.state.serve_range(math.prod(grid))
 
         def build():
-            cos, sin = type(rope).forward(rope, hidden_states)
+            cos, sin = self.original(hidden_states)
             return phasors_from_cos_sin(cos, sin, start, stop)
 
         key = ("hunyuan-video", grid, tuple(rope.rope_dim), float(rope.theta), str(hidden_states.device), start, stop)
-        return self.state.rope_cache.get_or_build(key, build)
+        return self.cached(key, build)
 
 
-def _hidden_states(args, kwargs):
-    return kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
-
-
-def _token_grid(model, args, kwargs):
-    """(frames, h, w) token grid of a call, from the latent shape and the patch sizes."""
-    hidden = _hidden_states(args, kwargs)
-    if not isinstance(hidden, torch.Tensor) or hidden.ndim != 5:
-        return None
-    c = model.config
-    return hidden.shape[2] // c.patch_size_t, hidden.shape[3] // c.patch_size, hidden.shape[4] // c.patch_size
+_token_grid = video_token_grid(frames_dim=2)  # (B, C, F, H, W) latents
 
 
 def _output_shape(model, args, kwargs):
     """The transformer output (B, out_channels, F, H, W) of a call."""
-    hidden = _hidden_states(args, kwargs)
+    hidden = call_arg(args, kwargs, "hidden_states", 0)
     return (hidden.shape[0], model.config.out_channels, *hidden.shape[2:])
 
 
@@ -227,9 +202,7 @@ def _check_cache(model, method: str, params: dict) -> None:
 HUNYUAN_VIDEO_CACHE_ADAPTER = CacheAdapter(
     methods=("first_block_cache", "mag_cache", "taylorseer_cache", "pyramid_attention_broadcast"),
     check=_check_cache,
-    why_not={"faster_cache": "it needs cond and uncond batched into one transformer call; HunyuanVideo calls them "
-                             "separately",
-             "sea_cache": "diffusers' SeaCache derives its indicator for Wan text-to-video and Cosmos only"},
+    why_not={"faster_cache": separate_passes_why_not("HunyuanVideo"), "sea_cache": SEA_CACHE_WHY_NOT},
     probe_module="x_embedder",
 )
 
@@ -239,9 +212,7 @@ HUNYUAN_VIDEO_15_CACHE_ADAPTER = CacheAdapter(
     methods=("taylorseer_cache", "pyramid_attention_broadcast"),
     why_not={**{m: "diffusers registers no block metadata for HunyuanVideo15TransformerBlock (stock diffusers fails "
                    "too)" for m in ("first_block_cache", "mag_cache")},
-             "faster_cache": "it needs cond and uncond batched into one transformer call; the guider calls them "
-                             "separately",
-             "sea_cache": "diffusers' SeaCache derives its indicator for Wan text-to-video and Cosmos only"},
+             "faster_cache": separate_passes_why_not("the guider"), "sea_cache": SEA_CACHE_WHY_NOT},
     probe_module="x_embedder",
 )
 
@@ -251,6 +222,7 @@ _COMMON = dict(joint="image_first", rope=RopeSource("rope", CachedHunyuanRope, m
 
 HUNYUAN_VIDEO = register_family(ModelFamily(
     name="hunyuan-video",
+    output="video", cfg_argument="true_cfg_scale",
     transformers=("HunyuanVideoTransformer3DModel",),
     pipelines=("HunyuanVideoPipeline", "HunyuanVideoImageToVideoPipeline"),
     attention=(AttentionSite("transformer_blocks.*.attn", HunyuanVideoJointProcessor, role="joint"),
@@ -271,6 +243,7 @@ HUNYUAN_VIDEO = register_family(ModelFamily(
 
 HUNYUAN_VIDEO_15 = register_family(ModelFamily(
     name="hunyuan-video-1.5",
+    output="video", cfg_argument=None,  # its guider holds the scale
     transformers=("HunyuanVideo15Transformer3DModel",),
     pipelines=("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"),
     attention=(AttentionSite("transformer_blocks.*.attn", HunyuanVideo15JointProcessor, role="joint"),),

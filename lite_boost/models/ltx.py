@@ -31,7 +31,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..adapter import AttentionSite, BoostState, LiteBoostProcessor, ModelFamily, RopeSource, rotate_qk
+from ..adapter import AttentionSite, LiteBoostProcessor, ModelFamily, RopeSource, rotate_qk
+from ..adapter.shims import SEA_CACHE_WHY_NOT, CachedRope, call_arg
 from ..cache import CacheAdapter
 from ..ops.attention import attention
 from ..ops.rope import RotaryEmbedding, phasors_from_cos_sin
@@ -92,7 +93,7 @@ def _scale_key(scale):
     return tuple(float(v) for v in values)
 
 
-class CachedLTXRope:
+class CachedLTXRope(CachedRope):
     """Replacement ``forward`` of an ``LTXVideoRotaryPosEmbed``: its own (cos, sin) tables as phasors.
 
     The tables are computed by the module's own forward (same positions, same fp32 arithmetic) and
@@ -103,32 +104,27 @@ class CachedLTXRope:
     sequence end (padding of an equal sequence shard) are identity rotations.
     """
 
-    def __init__(self, rope_module, state: BoostState):
-        self.rope = rope_module
-        self.state = state
-
     def __call__(self, hidden_states: torch.Tensor, num_frames=None, height=None, width=None,
                  rope_interpolation_scale=None, video_coords=None) -> RotaryEmbedding:
-        rope = self.rope
-        forward = type(rope).forward
+        forward = self.original
         if video_coords is not None:
             seq_len = video_coords.shape[-1]
             start, stop = self.state.serve_range(seq_len)
-            cos, sin = forward(rope, hidden_states, video_coords=video_coords[..., start:min(stop, seq_len)])
+            cos, sin = forward(hidden_states, video_coords=video_coords[..., start:min(stop, seq_len)])
             return RotaryEmbedding(_batched_phasors(cos, sin, stop - start), start, stop, seq_len)
         seq_len = num_frames * height * width
         start, stop = self.state.serve_range(seq_len)
         probe = hidden_states[:1, :0]  # the module reads only the batch size and the device
 
         def build():
-            cos, sin = forward(rope, probe, num_frames, height, width, rope_interpolation_scale, None)
+            cos, sin = forward(probe, num_frames, height, width, rope_interpolation_scale, None)
             return phasors_from_cos_sin(cos[0], sin[0], start, stop)
 
         scale = _scale_key(rope_interpolation_scale)
         if scale is False:  # tensors in the scale: values are data, not a key
             return build()
         key = ("ltx", int(num_frames), int(height), int(width), scale, str(hidden_states.device), start, stop)
-        return self.state.rope_cache.get_or_build(key, build)
+        return self.cached(key, build)
 
 
 def _is_ltx_rope(rope) -> bool:
@@ -145,8 +141,7 @@ _ARGS = {"hidden_states": 0, "num_frames": 4, "height": 5, "width": 6, "video_co
 
 
 def _arg(args, kwargs, name):
-    i = _ARGS[name]
-    return kwargs[name] if name in kwargs else (args[i] if len(args) > i else None)
+    return call_arg(args, kwargs, name, _ARGS[name])
 
 
 def _token_grid(model, args, kwargs):
@@ -190,12 +185,13 @@ LTX_CACHE_ADAPTER = CacheAdapter(
     methods=("first_block_cache", "mag_cache", "taylorseer_cache", "pyramid_attention_broadcast"),
     defaults={"taylorseer_cache": {"cache_identifiers": (r"^transformer_blocks\.\d+\.(attn1|attn2|ff)$",)}},
     why_not={"faster_cache": "diffusers' FasterCache supports no packed (B, S, C) LTX latents",
-             "sea_cache": "diffusers' SeaCache derives its indicator for Wan text-to-video and Cosmos only"},
+             "sea_cache": SEA_CACHE_WHY_NOT},
     probe_module="proj_in",
 )
 
 LTX = register_family(ModelFamily(
     name="ltx",
+    output="video",
     transformers=("LTXVideoTransformer3DModel",),
     pipelines=("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline"),
     attention=(AttentionSite("transformer_blocks.*.attn1", LTXAttnProcessor, role="self"),

@@ -26,7 +26,9 @@ import math
 
 import torch
 
-from ..adapter import AttentionSite, BoostState, LiteBoostProcessor, ModelFamily, RopeSource, rotate_qk
+from ..adapter import AttentionSite, LiteBoostProcessor, ModelFamily, RopeSource, TinyPipeline, rotate_qk
+from ..adapter.shims import (SEA_CACHE_WHY_NOT, CachedRope, call_arg, norm_qk, packed_output_shape,
+                             separate_passes_why_not)
 from ..cache import CacheAdapter
 from ..ops.joint import JointTokens
 from ..ops.rope import phasors_from_complex
@@ -57,14 +59,8 @@ class QwenImageJointProcessor(LiteBoostProcessor):
         img_q, img_k, img_v = (heads(p(hidden_states)) for p in (attn.to_q, attn.to_k, attn.to_v))
         txt_q, txt_k, txt_v = (heads(p(encoder_hidden_states)) for p in (attn.add_q_proj, attn.add_k_proj,
                                                                           attn.add_v_proj))
-        if attn.norm_q is not None:
-            img_q = attn.norm_q(img_q)
-        if attn.norm_k is not None:
-            img_k = attn.norm_k(img_k)
-        if attn.norm_added_q is not None:
-            txt_q = attn.norm_added_q(txt_q)
-        if attn.norm_added_k is not None:
-            txt_k = attn.norm_added_k(txt_k)
+        img_q, img_k = norm_qk(attn, img_q, img_k)
+        txt_q, txt_k = norm_qk(attn, txt_q, txt_k, added=True)
         if image_rotary_emb is not None:  # cached phasors (CachedQwenRope) or diffusers' complex tables
             img_emb, txt_emb = image_rotary_emb
             img_q, img_k = rotate_qk(img_q, img_k, img_emb)
@@ -92,7 +88,7 @@ def _image_shapes(video_fhw) -> list[tuple[int, int, int]]:
     return [tuple(int(x) for x in fhw) for fhw in video_fhw]
 
 
-class CachedQwenRope:
+class CachedQwenRope(CachedRope):
     """Replacement ``forward`` of a ``QwenEmbedRope``: cached phasors for (image rows of this rank, text).
 
     The tables are the module's own (its complex64 tables, same positions, same rounding), converted
@@ -101,24 +97,18 @@ class CachedQwenRope:
     equal sequence shard) are identity rotations.
     """
 
-    def __init__(self, rope_module, state: BoostState):
-        self.rope = rope_module
-        self.state = state
-
     def __call__(self, video_fhw, device=None, max_txt_seq_len=None):
         if max_txt_seq_len is None:
             raise ValueError("`max_txt_seq_len` must be provided.")
         shapes = _image_shapes(video_fhw)
         txt_len = int(max_txt_seq_len)
         start, stop = self.state.serve_range(sum(math.prod(s) for s in shapes))
-        rope = self.rope
 
         def build():
-            img, txt = type(rope).forward(rope, video_fhw, device=device, max_txt_seq_len=txt_len)
+            img, txt = self.original(video_fhw, device=device, max_txt_seq_len=txt_len)
             return phasors_from_complex(img, start, stop), phasors_from_complex(txt)
 
-        return self.state.rope_cache.get_or_build(("qwen-image", tuple(shapes), txt_len, str(device), start, stop),
-                                                  build)
+        return self.cached(("qwen-image", tuple(shapes), txt_len, str(device), start, stop), build)
 
 
 def _is_qwen_rope(rope) -> bool:
@@ -128,13 +118,9 @@ def _is_qwen_rope(rope) -> bool:
     return isinstance(rope, QwenEmbedRope) and type(rope).forward is QwenEmbedRope.forward
 
 
-def _img_shapes_arg(args, kwargs):
-    return kwargs["img_shapes"] if "img_shapes" in kwargs else (args[4] if len(args) > 4 else None)
-
-
 def _token_grid(model, args, kwargs):
     """(images, h, w) token grid of a call; None when the images differ in size (the call runs dense)."""
-    img_shapes = _img_shapes_arg(args, kwargs)
+    img_shapes = call_arg(args, kwargs, "img_shapes", 4)
     if img_shapes is None:
         return None
     shapes = _image_shapes(img_shapes)
@@ -143,10 +129,7 @@ def _token_grid(model, args, kwargs):
     return sum(f for f, _, _ in shapes), shapes[0][1], shapes[0][2]
 
 
-def _output_shape(model, args, kwargs):
-    """The transformer output (B, image tokens, patch * patch * out_channels) of a call."""
-    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    return (*hidden.shape[:2], model.proj_out.out_features)
+_output_shape = packed_output_shape  # (B, image tokens, patch * patch * out_channels)
 
 
 QWEN_SHARDING_PLAN = ShardingPlan(
@@ -172,11 +155,10 @@ QWEN_PIPELINE_PLAN = PipelinePlan(
 # is defined for Wan text-to-video and Cosmos latents only.
 QWEN_CACHE_ADAPTER = CacheAdapter(
     methods=("first_block_cache", "mag_cache", "taylorseer_cache"),
-    why_not={"faster_cache": "it needs cond and uncond batched into one transformer call; Qwen-Image calls them "
-                             "separately",
+    why_not={"faster_cache": separate_passes_why_not("Qwen-Image"),
              "pyramid_attention_broadcast": "its attention cache is shared by the cond and uncond passes, whose "
                                             "text lengths differ in Qwen-Image",
-             "sea_cache": "diffusers' SeaCache derives its indicator for Wan text-to-video and Cosmos only"},
+             "sea_cache": SEA_CACHE_WHY_NOT},
     probe_module="img_in",
 )
 
@@ -194,6 +176,13 @@ QWEN_IMAGE = register_family(ModelFamily(
     cache=QWEN_CACHE_ADAPTER,
     quant_patterns=("transformer_blocks.*",),
     notes="text replicated on every rank (joint attention exchanges only the image tokens)",
+    output="image",
+    cfg_argument="true_cfg_scale",
+    # `lite-boost generate --family qwen-image`: 256 x 256 = 1,024 image tokens, random prompt embeddings of
+    # 12 / 7 tokens (no text encoder), 10 steps, dense (lite_boost.demo.DEMO_QWEN_*)
+    tiny={"t2i": TinyPipeline("QwenImagePipeline", builder="lite_boost.demo:demo_qwen_image_pipeline",
+                              shape=(256, 256, None), steps=10, describe="lite_boost.demo:describe_qwen_image_demo",
+                              prompt="lite_boost.demo:qwen_demo_prompt")},
 ))
 
 boost_qwen_image_transformer = QWEN_IMAGE.boost_transformer

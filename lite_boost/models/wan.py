@@ -21,8 +21,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..adapter import AttentionSite, BoostState, DenseAttention, LiteBoostProcessor, ModelFamily, RopeSource
+from ..adapter import (AttentionSite, BoostState, DenseAttention, LiteBoostProcessor, ModelFamily, RopeSource,
+                       TinyPipeline)
 from ..adapter.boost import unboost_model
+from ..adapter.shims import CachedRope, patch_grid, separate_passes_why_not, video_token_grid
 from ..cache import CacheAdapter
 from ..config import ConfigError
 from ..ops.attention import attention
@@ -131,21 +133,16 @@ class LiteBoostWanAttnProcessor(LiteBoostProcessor):
         return attn.to_out[1](out)
 
 
-class CachedWanRope:
+class CachedWanRope(CachedRope):
     """Replacement ``forward`` of a ``WanRotaryPosEmbed`` instance: tables come from the state's cache.
 
     Records the latent token grid of the current call in ``state.grid`` and serves the token range
     ``state.rope_range(seq_len)`` (the whole sequence unless a sequence-parallel plan sets it).
     """
 
-    def __init__(self, rope_module, state: BoostState):
-        self.rope = rope_module
-        self.state = state
-
     def __call__(self, hidden_states: torch.Tensor) -> RotaryEmbedding:
         _, _, frames, height, width = hidden_states.shape
-        p_t, p_h, p_w = self.rope.patch_size
-        grid = (frames // p_t, height // p_h, width // p_w)
+        grid = patch_grid((frames, height, width), self.rope.patch_size)
         self.state.grid = grid
         seq_len = math.prod(grid)
         start, stop = self.state.serve_range(seq_len)
@@ -169,12 +166,7 @@ def _rope_matches_cache(rope) -> bool:
         return False
 
 
-def _token_grid(model, args, kwargs):
-    """Latent token grid (frames, height, width) of a call: the patch grid of ``hidden_states``."""
-    hidden = args[0] if args else kwargs.get("hidden_states")
-    p_t, p_h, p_w = model.config.patch_size
-    _, _, f, h, w = hidden.shape
-    return f // p_t, h // p_h, w // p_w
+_token_grid = video_token_grid(frames_dim=2)  # (B, C, F, H, W) latents
 
 
 # ----------------------------------------------------------------------------------------- step caching
@@ -200,7 +192,7 @@ WAN_CACHE_ADAPTER = CacheAdapter(
     methods=("first_block_cache", "mag_cache", "taylorseer_cache", "pyramid_attention_broadcast", "sea_cache"),
     defaults={"taylorseer_cache": {"cache_identifiers": (r"^blocks\.\d+\.(attn1|attn2|ffn)$",)}},
     check=_check_cache,
-    why_not={"faster_cache": "it needs cond and uncond batched into one transformer call; Wan calls them separately"},
+    why_not={"faster_cache": separate_passes_why_not("Wan")},
     probe_module="patch_embedding",
 )
 
@@ -254,6 +246,12 @@ WAN = register_family(ModelFamily(
                "text_encoder": ("UMT5EncoderModel", dict(d_model=4096, d_ff=10240, num_layers=24, num_heads=64,
                                                          d_kv=64, vocab_size=256384, feed_forward_proj="gated-gelu",
                                                          relative_attention_num_buckets=32))},
+    output="video",
+    # the main job (a bare `lite-boost generate`): 192 x 256, 25 frames = 7 x 24 x 32 = 5,376 tokens, 10 steps,
+    # block-sparse at 0.8 (lite_boost.demo.DEMO_SHAPE / DEMO_STEPS / DEMO_SPARSITY)
+    tiny={kind: TinyPipeline(pipeline, builder="lite_boost.demo:demo_wan_pipeline", shape=(192, 256, 25), steps=10,
+                             sparsity=0.8, describe="lite_boost.demo:describe_wan_demo", default=kind == "t2v")
+          for kind, pipeline in (("t2v", "WanPipeline"), ("i2v", "WanImageToVideoPipeline"))},
 ))
 
 boost_wan_transformer = WAN.boost_transformer

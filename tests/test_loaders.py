@@ -315,3 +315,44 @@ def test_flux_controlnet_residuals_on_boosted_transformer_equal_stock():
     ref = stock(**x, **kw).sample
     assert _diff(ref, stock(**x).sample) > 1e-3
     assert _diff(model(**x, **kw).sample, ref) <= TOL
+
+
+# ------------------------------------------------------------------------------ sharded weights (ParallelManager)
+@torch.no_grad()
+def test_tensor_parallel_plan_refuses_a_loaded_lora_before_any_collective():
+    """LoRA loaded, then ParallelManager(tp_degree=2): the planner's check names the LoRA layer and what to do."""
+    from _diffusers_tiny import build
+
+    from lite_boost.api import check_weight_sharding
+
+    model = build("WanTransformer3DModel")
+    model.load_lora_adapter(lora_state_dict(model, 12, prefix=None), adapter_name="a", prefix=None)
+    with pytest.raises(lite_boost.ConfigError, match=r"blocks.0.attn1.to_q carries an adapter \(a LoRA: "
+                                                     r"peft\..*Linear.*fuse_lora\(\); pipe.unload_lora_weights\(\)"):
+        check_weight_sharding(model, [model], lite_boost.BoostConfig(), 2, tp_degree=2)
+    model.fuse_lora()
+    model.unload_lora()
+    check_weight_sharding(model, [model], lite_boost.BoostConfig(), 2, tp_degree=2)  # the advice works
+
+
+@torch.no_grad()
+def test_lora_loading_refused_on_sharded_weights(monkeypatch):
+    """A model whose weights ParallelManager split (its record in extras['parallel'] lists the shards) refuses
+    load_lora_weights / load_lora_adapter / fuse_lora before anything changes. (The record is set by hand here:
+    the multi-process sharding itself is tested in test_weight_sharding.py.)"""
+    from types import SimpleNamespace
+
+    pipe = _wan()
+    lora = lora_state_dict(pipe.transformer, 13)
+    lite_boost.boost(pipe)
+    pipe.transformer._lite_boost.extras["parallel"] = SimpleNamespace(weights=[object()])
+    tree = [n for n, _ in pipe.transformer.named_modules()]
+    for call in (lambda: pipe.load_lora_weights(lora, adapter_name="a"),
+                 lambda: pipe.transformer.load_lora_adapter(lora, adapter_name="a", prefix="transformer"),
+                 pipe.fuse_lora):
+        with pytest.raises(LoaderError, match=r"ParallelManager split its weights.*before ParallelManager"):
+            call()
+    assert [n for n, _ in pipe.transformer.named_modules()] == tree
+    del pipe.transformer._lite_boost.extras["parallel"]
+    pipe.load_lora_weights(lora, adapter_name="a")  # unsharded: taken
+    assert any("lora_A" in n for n, _ in pipe.transformer.named_modules())

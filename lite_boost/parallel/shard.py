@@ -137,6 +137,11 @@ def _tp_sizes(model, plan: TensorParallelPlan):
     for path, name, module in _match(model, list(plan.layers)):
         style = plan.layers[path]
         weight = getattr(module, "weight", None)
+        if not isinstance(module, torch.nn.Linear) and isinstance(getattr(module, "base_layer", None), torch.nn.Linear):
+            raise ConfigError(f"tensor-parallel plan entry {path!r}: {name} carries an adapter (a LoRA: "
+                              f"{type(module).__module__}.{type(module).__name__} around the Linear layer), which "
+                              "tensor parallelism does not split. Fuse it into the weights and drop its layers first "
+                              "(pipe.fuse_lora(); pipe.unload_lora_weights()), or use tp_degree=1")
         if not isinstance(module, torch.nn.Linear) or weight is None:
             raise ConfigError(f"tensor-parallel plan entry {path!r} matches {name} ({type(module).__name__}), "
                               "not a Linear layer")

@@ -1,9 +1,9 @@
 """Sequence parallelism on the generic path: a diffusers ``_cp_plan`` executed with lite_boost's Ulysses / Ring.
 
-Parity: tiny ChronoEdit transformers (generic path, diffusers' own ``_cp_plan``) under ``ParallelManager``
-at 2 and 3 gloo ranks, a token count that does not divide the world size (35 video tokens), 2 or 3 heads
-(fewer heads than ranks at 3), against the stock model's one-process output; one spawn per world size runs
-every case. (Flux.2, a packed joint text + image model, has a family of its own: test_parallel_flux2.py.)
+Parity: tiny ChronoEdit and Flux.2 (their families unregistered in the ranks) transformers (generic path, diffusers'
+own ``_cp_plan``) under ``ParallelManager`` at 2 and 3 gloo ranks, token counts that do not divide the world size (35 video tokens;
+17 image + 7 text tokens, split separately and concatenated by the processor), 2 or 3 heads (fewer heads
+than ranks at 3), against the stock model's one-process output; one spawn per world size runs every case.
 Refusal: a generic model without a plan gets a PlanError naming what is missing and how to supply it,
 before any process group exists.
 """
@@ -63,7 +63,7 @@ def test_generic_records_say_which_classes_run_sequence_parallel():
     from lite_boost.adapter.generic import class_family, generic_family
 
     assert class_family(model_class("ChronoEditTransformer3DModel")).supports("sequence_parallel")
-    assert class_family(model_class("HeliosTransformer3DModel")).supports("sequence_parallel")
+    assert class_family(model_class("Flux2Transformer2DModel")).supports("sequence_parallel")
     bria = generic_family(build("BriaTransformer2DModel"))
     assert not bria.supports("sequence_parallel")
     assert "_cp_plan" in bria.features["sequence_parallel"]

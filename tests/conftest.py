@@ -70,3 +70,15 @@ def check_regional_compile(model, inputs, steps, *, sparse=False, tol=1e-4):
         assert (o - r).abs().max().item() <= tol
     if sparse:
         assert {e.path for e in model._lite_boost.extras["sparse"].events} == {"sparse"}
+
+
+def without_family(monkeypatch, name: str) -> None:
+    """Unregister the family ``name`` for one test (restored after it): its classes then take the generic path,
+    as a model without a family of its own does."""
+    from lite_boost import registry
+
+    registry.load_builtin_adapters()
+    family = registry._FAMILIES[name]
+    monkeypatch.delitem(registry._FAMILIES, name)
+    for cls in (*family.transformers, *family.pipelines):
+        monkeypatch.delitem(registry.SUPPORTED_MODELS, cls)

@@ -148,11 +148,25 @@ def _hunyuan_video_15():
                _floats(lambda: hy.transformer_inputs_15(spec, valid=[(4, 3)]), keep=()), stock_breaks=True)
 
 
+def _wan_derived(family, frames=3, per_frame=False):
+    """The Wan-derived families (tests/_tiny_wan_derived.py): ChronoEdit's two-frame edit, SkyReels-V2's
+    per-frame timesteps (diffusion forcing), Wan VACE's control latents, Wan Animate's pose / face inputs."""
+    def make():
+        import _tiny_wan_derived as tiny
+
+        return Row(family, lambda dtype: tiny.transformer(family).to(dtype),
+                   _floats(lambda: tiny.transformer_inputs(family, frames=frames, per_frame=per_frame)))
+
+    return make
+
+
 def _generic():
     from _diffusers_tiny import build, inputs
 
-    name = "SkyReelsV2Transformer3DModel"  # a Wan-like video DiT with no family of its own: the generic path
-    return Row("generic", lambda dtype: build(name).to(dtype), _floats(lambda: inputs(name)))
+    # a Flux-derived image DiT with no family of its own (diffusers' tiny config and inputs): the generic path
+    name = "ChromaTransformer2DModel"
+    return Row("generic", lambda dtype: build(name).to(dtype),
+               _floats(lambda: inputs(name), keep=("timestep", "img_ids", "txt_ids")), steps=(0.9, 0.6))
 
 
 ROWS = {
@@ -164,6 +178,10 @@ ROWS = {
     "cogvideox": _cogvideox,
     "hunyuan-video": _hunyuan_video,
     "hunyuan-video-1.5": _hunyuan_video_15,
+    "chronoedit": _wan_derived("chronoedit", frames=2),
+    "skyreels-v2": _wan_derived("skyreels-v2", per_frame=True),
+    "wan-vace": _wan_derived("wan-vace"),
+    "wan-animate": _wan_derived("wan-animate"),
     "generic": _generic,
 }
 

@@ -84,7 +84,15 @@ def test_thirty_classes_are_claimed():
 
 
 # ------------------------------------------------------------------ one generic model, every feature
-GEN = "SkyReelsV2Transformer3DModel"  # Wan-like video DiT: no family of its own, patch (1, 2, 2)
+GEN = "SkyReelsV2Transformer3DModel"  # Wan-like video DiT, patch (1, 2, 2); its family is unregistered here
+
+
+@pytest.fixture(autouse=True)
+def _skyreels_on_the_generic_path(monkeypatch):
+    """SkyReels-V2 has a family (lite_boost.models.skyreels_v2); these tests run it as a model without one."""
+    from conftest import without_family
+
+    without_family(monkeypatch, "skyreels-v2")
 
 
 def _pair(name=GEN):

@@ -277,7 +277,7 @@ def test_step_cache_composes_with_int8_attention(int8_cpu):
 
 
 @torch.no_grad()
-def test_generic_path_int8_self_attention(int8_cpu):
+def test_generic_path_int8_self_attention(int8_cpu, monkeypatch):
     """A model boosted on the generic path (diffusers' dispatch_attention_fn, no family code) takes the option too:
     its self-attention runs the int8 kernel (dense and block-sparse), near the full-precision boost."""
     import copy
@@ -286,6 +286,9 @@ def test_generic_path_int8_self_attention(int8_cpu):
 
     from lite_boost.adapter.generic import generic_context
 
+    from conftest import without_family
+
+    without_family(monkeypatch, "skyreels-v2")  # a Wan-like model on the generic path
     name = "SkyReelsV2Transformer3DModel"
     stock = build(name)
     for extra in ({}, {"sparse": {"sparsity": 0.5, "block_size": 16, "backend": "cpp"}}):

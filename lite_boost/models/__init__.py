@@ -24,3 +24,7 @@ from . import ltx_vae  # noqa: E402,F401  (registers the LTX-Video parallel-VAE 
 from . import cogvideox  # noqa: E402,F401  (registers the CogVideoX family)
 from . import hunyuan_video  # noqa: E402,F401  (registers the HunyuanVideo and HunyuanVideo-1.5 families)
 from . import hunyuan_video15_vae  # noqa: E402,F401  (registers the HunyuanVideo-1.5 parallel-VAE adapter)
+from . import chronoedit  # noqa: E402,F401  (registers the ChronoEdit family)
+from . import skyreels_v2  # noqa: E402,F401  (registers the SkyReels-V2 family)
+from . import wan_vace  # noqa: E402,F401  (registers the Wan VACE family)
+from . import wan_animate  # noqa: E402,F401  (registers the Wan Animate family)

@@ -1,0 +1,192 @@
+"""The Wan-derived families (ChronoEdit, SkyReels-V2, Wan VACE, Wan Animate) against stock diffusers, one table.
+
+Each family's tiny pipeline (``_tiny_wan_derived``: 3 heads, odd token planes, CFG on) boosted = stock within
+1e-5 (fp32), and back to stock after unboost; the transformer alone at awkward shapes (batch 2, odd grids);
+sparsity 0 = dense and 0.8 skips blocks; the offered step cache = the same diffusers hook on stock; no graph
+break; ``ParallelManager`` at 2 and 3 gloo ranks (Ulysses, Ring, Ring x sparse, CFG) = one process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _dist_wan_derived_cases as dist_cases
+import _tiny_wan_derived as tiny
+import lite_boost
+from _dist_utils import run_ranks
+from lite_boost.config import BoostConfig, ConfigError, SparseConfig
+from lite_boost.models.wan import LiteBoostWanAttnProcessor
+
+TOL = 1e-5
+# (family, pipeline kind, call overrides): awkward token grids
+PIPELINES = [
+    # temporal reasoning: 3 x 3 x 5 tokens, then the two-frame edit (RoPE frames 0 and skip - 1)
+    ("chronoedit", None, dict(num_frames=9, enable_temporal_reasoning=True, num_temporal_reasoning_steps=1,
+                              num_inference_steps=3)),
+    ("skyreels-v2", "t2v", {}),
+    # asynchronous diffusion forcing: per-frame timesteps, 5 x 3 x 5 tokens, the causal mask of 2-frame blocks
+    ("skyreels-v2", "df", dict(num_frames=17, base_num_frames=17, causal_block_size=2, ar_step=1)),
+    ("wan-vace", None, dict(height=80, width=48)),  # control video and mask, 2 x 5 x 3 tokens
+    ("wan-animate", None, {}),  # reference frame + 2 frames of pose / face, 3 x 3 x 5 tokens
+]
+FAMILIES = sorted({f for f, _, _ in PIPELINES})
+# family -> (transformer input frame counts, the step cache offered and its stock diffusers config)
+STEPS = 4
+
+
+def _pab(pipe):
+    import diffusers.hooks as h
+
+    return h.PyramidAttentionBroadcastConfig(spatial_attention_block_skip_range=2,
+                                             spatial_attention_timestep_skip_range=(0, 1000),
+                                             current_timestep_callback=lambda: pipe.current_timestep)
+
+
+def _taylorseer(pipe):
+    import diffusers.hooks as h
+
+    return h.TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1, taylor_factors_dtype=torch.float32,
+                                   cache_identifiers=[r"^blocks\.\d+\.(attn1|attn2|ffn)$"])
+
+
+def _fbc(pipe):
+    import diffusers.hooks as h
+
+    return h.FirstBlockCacheConfig(threshold=0.5)
+
+
+# family -> (pipeline kind, method, lite_boost parameters, the stock diffusers config); ChronoEdit: none (its
+# pipeline sets no cache_context)
+CACHES = {"skyreels-v2": ("t2v", "taylorseer_cache", {"cache_interval": 2, "disable_cache_before_step": 1,
+                                                     "taylor_factors_dtype": "float32"}, _taylorseer),
+          "wan-vace": (None, "first_block_cache", {"threshold": 0.5}, _fbc),
+          "wan-animate": (None, "taylorseer_cache", {"cache_interval": 2, "disable_cache_before_step": 1,
+                                                     "taylor_factors_dtype": "float32"}, _taylorseer)}
+# family -> direct transformer calls: (frames, per-frame timesteps)
+FRAMES = {"chronoedit": ((2, False), (3, False)), "skyreels-v2": ((3, False), (3, True)), "wan-vace": ((3, False),),
+          "wan-animate": ((3, False),)}
+
+
+def _frames(pipe, family, kind=None, **over):
+    return pipe(**tiny.call_kwargs(family, kind, **over)).frames
+
+
+@pytest.mark.parametrize("family, kind, over", PIPELINES)
+def test_boosted_pipeline_matches_stock(family, kind, over):
+    pipe = tiny.pipeline(family, kind)
+    stock = _frames(pipe, family, kind, **over)
+    assert lite_boost.boost(pipe) is pipe
+    state = pipe.transformer._lite_boost
+    assert state.family.name == family
+    assert all(isinstance(p, LiteBoostWanAttnProcessor) for p in state.processors.values())
+    blocks = len(pipe.transformer.blocks) + len(getattr(pipe.transformer, "vace_blocks", ()))  # VACE's context blocks
+    assert sorted(p.layer_idx for p in state.self_attention_processors) == list(range(blocks))
+    boosted = _frames(pipe, family, kind, **over)
+    assert boosted.shape == stock.shape and (boosted - stock).abs().max().item() <= TOL
+    assert state.rope_patched and state.rope_cache.misses == (2 if "enable_temporal_reasoning" in over else 1)
+    assert state.rope_cache.hits >= 1
+    lite_boost.unboost(pipe)
+    assert not lite_boost.api.is_boosted(pipe) and "forward" not in pipe.transformer.rope.__dict__
+    assert (_frames(pipe, family, kind, **over) - stock).abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformer_matches_stock_at_awkward_shapes(family):
+    model = tiny.transformer(family)
+    refs = []
+    with torch.no_grad():
+        inputs = [tiny.transformer_inputs(family, frames=f, batch=2, per_frame=pf) for f, pf in FRAMES[family]]
+        refs = [model(**x).sample for x in inputs]
+        lite_boost.boost(model)
+        for x, ref in zip(inputs, refs):
+            assert (model(**x).sample - ref).abs().max().item() <= TOL
+    assert model._lite_boost.rope_cache.misses == len({f for f, _ in FRAMES[family]})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sparsity_zero_is_dense_and_a_sparse_run_skips_blocks(family):
+    model = tiny.transformer(family)
+    x = tiny.transformer_inputs(family, frames=4)  # 4 x 5 x 7 = 140 tokens
+    base = dict(block_size=4, backend="gather")
+    with torch.no_grad():
+        stock = model(**x).sample
+        lite_boost.boost(model, BoostConfig(sparse=SparseConfig(sparsity=0.0, **base)))
+        assert (model(**x).sample - stock).abs().max().item() <= TOL
+        lite_boost.boost(model, BoostConfig(sparse=SparseConfig(sparsity=0.8, **base)))
+        sparse = model(**x).sample
+    st = model._lite_boost.extras["sparse"]
+    assert {e.path for e in st.events} == {"sparse"} and st.grid == (4, 5, 7)
+    assert st.mean_effective_sparsity() > 0.3 and (sparse - stock).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("family", sorted(CACHES))
+def test_step_cache_equals_the_stock_diffusers_hook(family):
+    kind, method, params, stock_config = CACHES[family]
+    stock_pipe = tiny.pipeline(family, kind)
+    plain = _frames(stock_pipe, family, kind, num_inference_steps=STEPS)
+    stock_pipe.transformer.enable_cache(stock_config(stock_pipe))
+    stock = _frames(stock_pipe, family, kind, num_inference_steps=STEPS)
+    pipe = lite_boost.boost(tiny.pipeline(family, kind), {"cache": {"method": method, **params}})
+    got = _frames(pipe, family, kind, num_inference_steps=STEPS)
+    assert (stock - plain).abs().max() > 1e-5 and (got - stock).abs().max().item() <= TOL
+    refused = sorted(set(lite_boost.models.wan.WAN_CACHE_ADAPTER.methods) - set(
+        pipe.transformer._lite_boost.family.cache.methods))
+    for other in refused:  # the others are refused with the reason, before anything changes
+        with pytest.raises(ConfigError, match=other):
+            lite_boost.boost(tiny.pipeline(family, kind), {"cache": other})
+
+
+def test_step_cache_refusals_name_the_reason():
+    pipe = tiny.pipeline("chronoedit")
+    with pytest.raises(ConfigError, match=r"cache \(BoostConfig.cache\) is not supported for the chronoedit family "
+                                          r"\(ChronoEditPipeline calls the transformer without cache_context"):
+        lite_boost.boost(pipe, {"cache": "pyramid_attention_broadcast"})
+    assert not lite_boost.api.is_boosted(pipe)
+
+
+# dense boosts: tests/test_family_contract.py; here block-sparse (VACE's context blocks, diffusion forcing)
+@pytest.mark.parametrize("family, frames, per_frame", [("skyreels-v2", 3, True), ("wan-vace", 2, False)])
+def test_explain_reports_no_graph_break_with_sparse(family, frames, per_frame, fresh_dynamo):
+    model = lite_boost.boost(tiny.transformer(family), BoostConfig(sparse=SparseConfig(sparsity=0.8, block_size=4,
+                                                                                      backend="gather")))
+    with torch.no_grad():
+        report = torch._dynamo.explain(model)(**tiny.transformer_inputs(family, frames=frames, per_frame=per_frame))
+    reasons = [r.reason.splitlines()[0] for r in report.break_reasons]
+    assert report.graph_break_count == 0 and report.graph_count == 1, reasons
+
+
+def test_wan_animate_sequence_parallel_is_refused_before_any_collective(monkeypatch):
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    pipe = tiny.pipeline("wan-animate")
+    from lite_boost.parallel.plan import PlanError
+
+    with pytest.raises(PlanError, match=r"WanAnimateTransformer3DModel has no sequence-parallel sharding plan"):
+        lite_boost.ParallelManager(pipe, {"parallel": {"ulysses_degree": 2}})
+    assert not lite_boost.api.is_boosted(pipe) and not torch.distributed.is_initialized()
+
+
+# --------------------------------------------------------------------------------------------- parallel
+_RESULTS: dict = {}
+
+
+def _results(world):
+    if world not in _RESULTS:
+        _RESULTS[world] = run_ranks(dist_cases.run_all, world, dist_cases.cases_for(world), timeout=600)
+    return _RESULTS[world]
+
+
+@pytest.mark.parametrize("world, case", [(w, c) for w in (2, 3) for c in dist_cases.cases_for(w)])
+def test_parallel_matches_one_process(world, case):
+    for rank, res in enumerate(_results(world)):
+        r = res[case]
+        assert "error" not in r, f"rank {rank}: {r.get('error')}"
+        if case.endswith("_refused"):  # on every rank, before any collective of the call (no hang)
+            assert "causal_block_size=2" in r["refused"] and "ulysses_degree" in r["refused"], r
+            continue
+        assert r["ref_abs"] > 0.1 and r["maxdiff"] <= TOL, (rank, r)
+        if "cfg2" in case:  # each cfg rank computed one pass per step and received the other
+            assert all(c["deferred"] == c["computed"] > 0 for c in r["cfg_calls"]), r
+        if "sparse" in case:
+            assert r["sparse_paths"] == ["sparse"], r

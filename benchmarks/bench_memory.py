@@ -2,6 +2,7 @@
 
     flock /tmp/lite_boost_bench.lock python benchmarks/bench_memory.py              # layouts at 1, 2, 4 ranks
     python benchmarks/bench_memory.py --layouts ulysses2,fsdp2 --calls 2            # a subset
+    python benchmarks/bench_memory.py --layouts fsdp4,tp4 --append                  # add to memory.json
 
 At Wan2.1-14B block dimensions (40 heads x 128, hidden 5120, FFN 13824, text_dim 4096) with a few blocks
 (default 2: what fits this machine at 4 processes), bfloat16, one transformer call at a short sequence.
@@ -199,6 +200,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2)
     ap.add_argument("--shape", default="9x160x256", help="FRAMESxHEIGHTxWIDTH (default: 480 tokens)")
     ap.add_argument("--out", default="memory")
+    ap.add_argument("--append", action="store_true",
+                    help="add to the layouts already in RESULTS/OUT.json (one layout per run on a shared machine)")
     args = ap.parse_args()
     args.shape = tuple(int(x) for x in args.shape.split("x"))
     if args.blocks < 2:  # the planner finds the blocks as a list of two or more
@@ -207,13 +210,22 @@ def main() -> None:
         worker(args)
         return
     load0 = os.getloadavg()
-    results = {}
+    results, loads = {}, {}
+    path = os.path.join(RESULTS, f"{args.out}.json")
+    if args.append and os.path.exists(path):
+        with open(path) as fh:
+            old = json.load(fh)
+        results, loads = old["results"], old.get("loads", {})
+        load0 = tuple(old["load_before"])
+    args.loads = loads
     for name in args.layouts.split(","):
         t0 = time.time()
+        before = os.getloadavg()
         try:
             results[name] = run_layout(name, args)
         except Exception as exc:  # a layout this installation cannot run: say so in the table
             results[name] = str(exc).strip().splitlines()[-1][:300]
+        loads[name] = [round(before[0], 2), round(os.getloadavg()[0], 2)]
         print(name, f"{time.time() - t0:.0f}s", results[name] if isinstance(results[name], str) else
               [(r["call_peak_measured"] >> 20, r["activations_predicted"] >> 20) for r in results[name]], flush=True)
         write(args, results, load0, os.getloadavg(), extrapolated=False)  # what has run so far
@@ -223,7 +235,8 @@ def main() -> None:
 def write(args, results, load0, load1, extrapolated=True) -> None:
     record = {"lscpu": _lscpu(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "threads_per_rank": 1, "dtype": "bfloat16", "blocks": args.blocks, "shape": args.shape,
-              "dims": DIMS, "load_before": load0, "load_after": load1, "results": results}
+              "dims": DIMS, "load_before": load0, "load_after": load1, "loads": getattr(args, "loads", {}),
+              "results": results}
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, f"{args.out}.json"), "w") as fh:
         json.dump(record, fh, indent=1)
@@ -238,11 +251,11 @@ def write(args, results, load0, load1, extrapolated=True) -> None:
              "after (a shared machine: the times are indicative). MiB per rank (rank 0; the max over ranks in "
              "brackets when they differ by more than 1 MiB).\n",
              "| layout | ranks | weights measured | weights predicted | call peak measured | activations predicted "
-             "| peak over baseline | predicted total | call s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| peak over baseline | predicted total | call s | load |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, rows in results.items():
         if isinstance(rows, str):
-            lines.append(f"| {name} | {LAYOUTS[name][0]} | not run: {rows} | | | | | | |")
+            lines.append(f"| {name} | {LAYOUTS[name][0]} | not run: {rows} | | | | | | | |")
             continue
         r0 = rows[0]
 
@@ -252,11 +265,14 @@ def write(args, results, load0, load1, extrapolated=True) -> None:
 
         lines.append(f"| {name} | {len(rows)} | {cell('weights_measured')} | {mib(r0['weights_predicted'])} | "
                      f"{cell('call_peak_measured')} | {mib(r0['activations_predicted'])} | {cell('peak_over_baseline')} | "
-                     f"{mib(r0['total_predicted'])} | {statistics.median(r['call_s'] for r in rows):.2f} |")
+                     f"{mib(r0['total_predicted'])} | {statistics.median(r['call_s'] for r in rows):.2f} | "
+                     f"{'-'.join(str(x) for x in record['loads'].get(name, []))} |")
     lines.append("\nweights measured: resident-set growth from building the model and applying the layout (includes a "
-                 "constant of the process, about 17 MiB); call peak: the high-water mark of a call over the resident "
+                 "constant of the process: the libraries it loads, 17 MiB on one machine and about 170 MiB on another); call peak: the high-water mark of a call over the resident "
                  "set before it; peak over baseline: the high-water mark over the process before the model (weights, "
-                 "the call, and what the warm-up call leaves: RoPE tables, kernel and collective buffers).")
+                 "the call, and what the warm-up call leaves: RoPE tables, kernel and collective buffers); call s: the median "
+                 "over ranks of each rank's median call; load: the 1-minute load average before and after the layout "
+                 "ran (2 cores shared with other work: the times are noisy, the memory is not).")
     if extrapolated:
         lines += extrapolate()
     with open(os.path.join(RESULTS, f"{args.out}.md"), "w") as fh:

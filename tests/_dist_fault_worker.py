@@ -8,6 +8,8 @@ pipe_raise / pipe_die / pipe_hang: the same inside a tiny Wan pipeline under Par
 fsdp_raise / fsdp_die / fsdp_hang: a tiny Wan transformer under fsdp_degree = world size; the faulty rank
 fails as its second forward starts the patch embedding's weight all-gather (the first collective of a
 forward); the healthy ranks print the error they raise (it must name the all-gather and the fsdp group).
+tp_die: a tiny Wan transformer under tp_degree = world size; the faulty rank dies as its second forward
+reaches blocks.0.attn1.to_out.0, whose row-wise output all-reduce the healthy ranks then wait for.
 Every healthy rank runs Ulysses attention in a loop; it must exit non-zero (never hang) on a fault.
 """
 
@@ -83,6 +85,33 @@ def fsdp_main(mode, faulty, timeout_s):
     print(f"rank {rank} done", flush=True)
 
 
+def tp_main(mode, faulty, timeout_s):
+    from lite_boost.demo import TinyWanSpec, tiny_wan_transformer
+    from lite_boost.parallel import ParallelManager
+
+    world = int(os.environ["WORLD_SIZE"])
+    model = ParallelManager(tiny_wan_transformer(TinyWanSpec(heads=2)),
+                            {"parallel": {"tp_degree": world, "timeout_s": timeout_s}})
+    rank = model._lite_boost.extras["parallel"].mesh.rank
+    calls = [0]
+
+    def fault(module, args):
+        calls[0] += 1
+        if rank == faulty and calls[0] == 2:
+            inject(mode)
+
+    model.blocks[0].attn1.to_out[0].register_forward_pre_hook(fault, prepend=True)
+    x, t, ctx = torch.randn(1, 16, 2, 4, 4), torch.tensor([500.0]), torch.randn(1, 512, 32)
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                model(x, t, ctx)
+    except Exception as exc:  # noqa: BLE001 - reported for the test to read, then the exit code says it
+        print(f"rank {rank} raised {type(exc).__name__}: {exc}", flush=True)
+        raise
+    print(f"rank {rank} done", flush=True)
+
+
 def main():
     mode, faulty, timeout_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     torch.set_num_threads(1)
@@ -90,6 +119,8 @@ def main():
         return pipeline_main(mode, faulty, timeout_s)
     if mode.startswith("fsdp"):
         return fsdp_main(mode, faulty, timeout_s)
+    if mode.startswith("tp"):
+        return tp_main(mode, faulty, timeout_s)
     from lite_boost.config import ParallelConfig
     from lite_boost.parallel import SequenceShardInfo, UlyssesAttention, init_mesh
 

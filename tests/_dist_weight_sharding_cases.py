@@ -112,6 +112,49 @@ def wan_transformer_fsdp(mesh, *, heads=3, i2v=True, grid=(3, 3, 5)):
     return out
 
 
+def wan_transformer_fsdp_quant(mesh, *, heads=2, grid=(3, 3, 5)):
+    """Wan T2V transformer quantized (torchao int8 weights, int8 dynamic and weight-only) under fsdp 2 x
+    Ulysses 2 against the one-process run of the same quantization: parity (eager and compiled), the int8
+    data sharded (each rank holds half of it), and unparallelize bringing the quantized weight back."""
+    import lite_boost
+    from lite_boost.demo import tiny_wan_transformer
+    from lite_boost.parallel import ParallelManager, unparallelize
+
+    spec = _wan_spec(heads, False)
+    x, ctx, kw = _wan_inputs(False, grid)
+    t = torch.tensor([700.0])
+    out = {}
+    for method in ("int8_dynamic", "int8_weight_only"):
+        ref_model = lite_boost.boost(tiny_wan_transformer(spec), {"quant": method})
+        model = tiny_wan_transformer(spec)
+        ParallelManager(model, {"quant": method, "parallel": {"fsdp_degree": 2, "timeout_s": TIMEOUT_S}}, mesh=mesh)
+        q = model.blocks[0].ffn.net[0].proj
+        r = {"qdata": (str(q.weight__qdata.dtype), tuple(q.weight__qdata.to_local().shape),
+                       tuple(q.weight__qdata.shape)), "weight_between_calls": q.weight}
+        int8 = [p for n, p in model.named_parameters() if n.endswith("__qdata")]
+        r["int8_local"] = sum(p.to_local().numel() for p in int8)
+        r["int8_total"] = sum(p.numel() for p in int8)
+        with torch.no_grad():
+            ref = ref_model(x, t, ctx).sample
+            r["diff"] = _diff(model(x, t, ctx).sample, ref)
+            if method == "int8_weight_only":  # (int8_dynamic: see the weight-sharding guide on compile)
+                torch._dynamo.reset()
+                model.compile_repeated_blocks(fullgraph=True, backend="eager")
+                r["compiled_diff"] = _diff(model(x, t, ctx).sample, ref)
+                torch._dynamo.reset()
+        unparallelize(model)
+        r["unsharded_type"] = type(q.weight).__name__
+        r["ref_type"] = type(ref_model.blocks[0].ffn.net[0].proj.weight).__name__
+        with torch.no_grad():
+            r["unsharded_diff"] = _diff(model(x, t, ctx).sample, ref)
+        lite_boost.unboost(model)  # the original full-precision weights come back
+        r["unboosted_plain"] = all(type(p) is torch.nn.Parameter and p.dtype == torch.float32
+                                   for p in model.parameters())
+        r["ref_abs"] = ref.abs().max().item()
+        out[method] = r
+    return out
+
+
 def wan_transformer_tp(mesh, *, heads=4, i2v=True, grid=(3, 3, 5)):
     """Wan I2V transformer under tp 2 (x Ulysses when the world allows): parity, local Linear bytes, local
     head counts (restored by unboost, which unparallelizes first)."""
@@ -214,6 +257,7 @@ CASES = {
     # world 2
     "wan_i2v_fsdp2_ulysses2": ({"fsdp_degree": 2}, lambda mesh: wan_transformer_fsdp(mesh)),
     "wan_i2v_tp2": ({"tp_degree": 2}, lambda mesh: wan_transformer_tp(mesh)),
+    "wan_fsdp2_quant": ({"fsdp_degree": 2}, lambda mesh: wan_transformer_fsdp_quant(mesh)),
     # a data-dependent step cache (each cfg rank decides for its branch) and block-sparse attention on top
     "wan22_cfg2_fsdp2_fbc_sparse": ({"cfg_degree": 2, "fsdp_degree": 2}, lambda mesh: wan_pipeline(
         mesh, {"cfg_degree": 2, "fsdp_degree": 2},

@@ -20,7 +20,8 @@ FAMILIES = {
                    dict(in_channels=36, image_dim=4, added_kv_proj_dim=HEADS * HEAD_DIM),
                    {"edit": "ChronoEditPipeline"}),
     "skyreels-v2": ("SkyReelsV2Transformer3DModel", dict(in_channels=16, out_channels=16, text_dim=32, freq_dim=32),
-                    {"t2v": "SkyReelsV2Pipeline", "df": "SkyReelsV2DiffusionForcingPipeline"}),
+                    {"t2v": "SkyReelsV2Pipeline", "df": "SkyReelsV2DiffusionForcingPipeline",
+                     "i2v": "SkyReelsV2ImageToVideoPipeline"}),
     # 3 main blocks, context blocks at 0 and 2; control: 16 + 16 latent channels and the 8 x 8 mask
     "wan-vace": ("WanVACETransformer3DModel", dict(in_channels=16, out_channels=16, text_dim=32, freq_dim=32,
                                                    num_layers=3, vace_layers=[0, 2], vace_in_channels=96),
@@ -72,10 +73,12 @@ def pipeline(family: str, kind: str | None = None, seed: int = 0):
 
     kinds = FAMILIES[family][2]
     name = kinds[kind or next(iter(kinds))]
-    base = tiny_wan_pipeline("i2v" if family in ("chronoedit", "wan-animate") else "t2v", seed=seed)
+    image = family in ("chronoedit", "wan-animate") or kind == "i2v"
+    base = tiny_wan_pipeline("i2v" if image else "t2v", seed=seed)
+    over = dict(in_channels=36, image_dim=4, added_kv_proj_dim=HEADS * HEAD_DIM) if kind == "i2v" else {}
     parts = dict(tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=base.vae, scheduler=base.scheduler,
-                 transformer=transformer(family, seed=seed + 2))
-    if family in ("chronoedit", "wan-animate"):
+                 transformer=transformer(family, seed=seed + 2, **over))
+    if image:
         parts.update(image_encoder=base.image_encoder, image_processor=base.image_processor)
     if family in ("chronoedit", "skyreels-v2"):  # their released schedulers (ChronoEdit's temporal reasoning needs it)
         parts["scheduler"] = diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
@@ -98,7 +101,7 @@ def call_kwargs(family: str, kind: str | None = None, *, height=48, width=80, nu
 
         return PIL.Image.fromarray((rng.rand(h, w, 3) * 255).astype("uint8"))
 
-    if family in ("chronoedit", "wan-animate"):
+    if family in ("chronoedit", "wan-animate") or kind == "i2v":
         kw["image"] = image(height, width)
     if family == "wan-animate":  # pose and face videos of one segment; guidance 2 (its outputs are ~15 in size)
         kw.update(pose_video=[image(height, width) for _ in range(num_frames)], segment_frame_length=num_frames,

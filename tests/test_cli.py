@@ -155,6 +155,10 @@ def test_model_runs_take_the_pipelines_own_defaults():
     assert (kw["height"], kw["num_frames"], kw["guidance_scale"]) == (32, 9, 3.0) and "width" not in kw
     tiny = _call_kwargs(build_parser().parse_args(["generate"]), "t2v", tiny=True, family=wan, pipe=pipe)
     assert (tiny["height"], tiny["width"], tiny["num_frames"], tiny["guidance_scale"]) == (192, 256, 25, 5.0)
+    # Flux's guidance_scale is a distilled embedding: --guidance-scale is its record's true CFG argument
+    flux = _call_kwargs(build_parser().parse_args(["generate", "--model", "/m", "--guidance-scale", "3"]), "t2i",
+                        tiny=False, family=_family("flux"))
+    assert flux["true_cfg_scale"] == 3.0 and "guidance_scale" not in flux and "num_frames" not in flux
 
 
 def _family(name):

@@ -159,6 +159,8 @@ def test_family_processor_swap_and_backend_switch_are_refused():
             model.set_attn_processor(WanAttnProcessor())
     with pytest.raises(LoaderError, match=r"set_attention_backend: .*attention_backend=None"):
         model.set_attention_backend("native")
+    with pytest.raises(LoaderError, match=r"reset_attention_backend: .*attention_backend=None"):
+        model.reset_attention_backend()
     assert [m.processor for m in model.modules() if hasattr(m, "set_processor")] == procs
     assert _diff(_run(pipe), ref) == 0
     lite_boost.unboost(pipe)  # the guards go with the boost
@@ -187,7 +189,7 @@ def test_flux_ip_adapter_on_boosted_pipeline_is_refused_before_anything_changes(
 
 
 # ----------------------------------------------------------------------------------- the generic path
-GEN = "SkyReelsV2Transformer3DModel"  # no family of its own: boosted through diffusers' dispatcher
+GEN = "SkyReelsV2Transformer3DModel"  # run without its family: boosted through diffusers' dispatcher
 
 
 def _first(out):
@@ -195,8 +197,11 @@ def _first(out):
 
 
 @torch.no_grad()
-def test_generic_lora_and_processor_swap_equal_stock():
+def test_generic_lora_and_processor_swap_equal_stock(monkeypatch):
     from _diffusers_tiny import build, inputs
+    from conftest import without_family
+
+    without_family(monkeypatch, "skyreels-v2")  # SkyReels-V2 has a family: run it as a model without one
 
     from lite_boost.adapter.generic import generic_context
 
@@ -227,9 +232,132 @@ def test_generic_lora_and_processor_swap_equal_stock():
     assert _diff(_first(model(**x)), _first(stock(**x))) <= TOL and calls
     with pytest.raises(LoaderError, match=r"set_attention_backend: .*the generic path"):
         model.set_attention_backend("native")
+    with pytest.raises(LoaderError, match=r"reset_attention_backend: .*the generic path"):
+        model.reset_attention_backend()
+    assert all(p._attention_backend is ctx.name for p in model.attn_processors.values())
     ctx.self_attn_fn = inner
     lite_boost.unboost(model)
     assert all(p._attention_backend is None for p in model.attn_processors.values())
     for m in (stock, model):
         m.unload_lora()
     assert _diff(_first(model(**x)), _first(stock(**x))) == 0
+
+
+# ------------------------------------------------------------------------- every family: LoRA on the model
+FAMILY_MODELS = ["WanTransformer3DModel", "FluxTransformer2DModel", "QwenImageTransformer2DModel",
+                 "HunyuanVideoTransformer3DModel", "LTXVideoTransformer3DModel", "CogVideoXTransformer3DModel",
+                 "HunyuanVideo15Transformer3DModel"]
+
+
+@pytest.mark.parametrize("name", FAMILY_MODELS)
+@torch.no_grad()
+def test_family_model_lora_before_and_after_boost_equals_stock(name):
+    """diffusers' own tiny config of each family's transformer: a LoRA on every attention projection, loaded after
+    boosting (and then a second one, loaded before a re-boost with another config), equals stock with the same."""
+    from _diffusers_tiny import build, inputs
+
+    from lite_boost.registry import family_of
+
+    stock = build(name)
+    assert family_of(stock) is not None and family_of(stock).name != "generic"
+    model = lite_boost.boost(copy.deepcopy(stock))
+    x = inputs(name)
+    base = _first(stock(**x))
+    targets = ["to_q", "to_k", "to_v", "to_out.0"]
+    for m in (stock, model):
+        m.load_lora_adapter(lora_state_dict(stock, 8, targets=targets, prefix=None), adapter_name="a", prefix=None)
+    ref = _first(stock(**x))
+    assert _diff(ref, base) > 1e-4 and _diff(_first(model(**x)), ref) <= TOL
+    lite_boost.unboost(model)
+    for m in (stock, model):
+        m.load_lora_adapter(lora_state_dict(stock, 9, targets=["to_q", "to_v"], prefix=None), adapter_name="b",
+                            prefix=None)
+        m.set_adapters(["a", "b"], weights=[0.5, 1.0])
+    lite_boost.boost(model, {"rope_cache_size": 4})
+    ref2 = _first(stock(**x))
+    assert _diff(ref2, ref) > 1e-4
+    assert _diff(_first(model(**x)), ref2) <= TOL
+
+
+@torch.no_grad()
+def test_lora_on_boosted_model_compiles_without_graph_breaks():
+    """Regional compile (fullgraph=True) of a boosted Wan transformer with two LoRAs equals eager; set_adapters after
+    compiling still takes effect (a recompile, not a stale graph)."""
+    from _diffusers_tiny import build, inputs
+
+    name = "WanTransformer3DModel"
+    stock = build(name)
+    model = lite_boost.boost(copy.deepcopy(stock))
+    for m in (stock, model):
+        m.load_lora_adapter(lora_state_dict(stock, 10, prefix=None), adapter_name="a", prefix=None)
+        m.load_lora_adapter(lora_state_dict(stock, 11, prefix=None), adapter_name="b", prefix=None)
+        m.set_adapters(["a", "b"], weights=[1.0, 0.5])
+    x = inputs(name)
+    model.compile_repeated_blocks(fullgraph=True, backend="eager")
+    assert _diff(_first(model(**x)), _first(stock(**x))) <= TOL
+    for m in (stock, model):
+        m.set_adapters("b")
+    assert _diff(_first(model(**x)), _first(stock(**x))) <= TOL
+
+
+@torch.no_grad()
+def test_flux_controlnet_residuals_on_boosted_transformer_equal_stock():
+    """A ControlNet runs stock; its block residuals enter the boosted transformer through diffusers' forward."""
+    from diffusers import FluxControlNetModel
+
+    from _diffusers_tiny import build, init_dict, inputs
+
+    name = "FluxTransformer2DModel"
+    stock = build(name)
+    model = lite_boost.boost(copy.deepcopy(stock))
+    x = inputs(name)
+    torch.manual_seed(3)
+    controlnet = FluxControlNetModel(**init_dict(name)).eval()
+    for p in controlnet.parameters():
+        p.normal_(0, 0.1)  # diffusers zero-initialises the residual projections: make them count
+    blocks, single = controlnet(**x, controlnet_cond=torch.randn(x["hidden_states"].shape), return_dict=False)
+    kw = dict(controlnet_block_samples=blocks, controlnet_single_block_samples=single)
+    ref = stock(**x, **kw).sample
+    assert _diff(ref, stock(**x).sample) > 1e-3
+    assert _diff(model(**x, **kw).sample, ref) <= TOL
+
+
+# ------------------------------------------------------------------------------ sharded weights (ParallelManager)
+@torch.no_grad()
+def test_tensor_parallel_plan_refuses_a_loaded_lora_before_any_collective():
+    """LoRA loaded, then ParallelManager(tp_degree=2): the planner's check names the LoRA layer and what to do."""
+    from _diffusers_tiny import build
+
+    from lite_boost.api import check_weight_sharding
+
+    model = build("WanTransformer3DModel")
+    model.load_lora_adapter(lora_state_dict(model, 12, prefix=None), adapter_name="a", prefix=None)
+    with pytest.raises(lite_boost.ConfigError, match=r"blocks.0.attn1.to_q carries an adapter \(a LoRA: "
+                                                     r"peft\..*Linear.*fuse_lora\(\); pipe.unload_lora_weights\(\)"):
+        check_weight_sharding(model, [model], lite_boost.BoostConfig(), 2, tp_degree=2)
+    model.fuse_lora()
+    model.unload_lora()
+    check_weight_sharding(model, [model], lite_boost.BoostConfig(), 2, tp_degree=2)  # the advice works
+
+
+@torch.no_grad()
+def test_lora_loading_refused_on_sharded_weights(monkeypatch):
+    """A model whose weights ParallelManager split (its record in extras['parallel'] lists the shards) refuses
+    load_lora_weights / load_lora_adapter / fuse_lora before anything changes. (The record is set by hand here:
+    the multi-process sharding itself is tested in test_weight_sharding.py.)"""
+    from types import SimpleNamespace
+
+    pipe = _wan()
+    lora = lora_state_dict(pipe.transformer, 13)
+    lite_boost.boost(pipe)
+    pipe.transformer._lite_boost.extras["parallel"] = SimpleNamespace(weights=[object()])
+    tree = [n for n, _ in pipe.transformer.named_modules()]
+    for call in (lambda: pipe.load_lora_weights(lora, adapter_name="a"),
+                 lambda: pipe.transformer.load_lora_adapter(lora, adapter_name="a", prefix="transformer"),
+                 pipe.fuse_lora):
+        with pytest.raises(LoaderError, match=r"ParallelManager split its weights.*before ParallelManager"):
+            call()
+    assert [n for n, _ in pipe.transformer.named_modules()] == tree
+    del pipe.transformer._lite_boost.extras["parallel"]
+    pipe.load_lora_weights(lora, adapter_name="a")  # unsharded: taken
+    assert any("lora_A" in n for n, _ in pipe.transformer.named_modules())

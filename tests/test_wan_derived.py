@@ -25,6 +25,7 @@ PIPELINES = [
     ("chronoedit", None, dict(num_frames=9, enable_temporal_reasoning=True, num_temporal_reasoning_steps=1,
                               num_inference_steps=3)),
     ("skyreels-v2", "t2v", {}),
+    ("skyreels-v2", "i2v", {}),  # CLIP image context through the added k / v of the cross-attention
     # asynchronous diffusion forcing: per-frame timesteps, 5 x 3 x 5 tokens, the causal mask of 2-frame blocks
     ("skyreels-v2", "df", dict(num_frames=17, base_num_frames=17, causal_block_size=2, ar_step=1)),
     ("wan-vace", None, dict(height=80, width=48)),  # control video and mask, 2 x 5 x 3 tokens

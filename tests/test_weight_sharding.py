@@ -21,7 +21,7 @@ from lite_boost.config import BoostConfig, ConfigError, ParallelConfig, parallel
 from lite_boost.parallel.groups import _mesh_ranks
 
 TOL = 1e-5
-CASES_2 = ["wan_i2v_fsdp2_ulysses2", "wan_i2v_tp2", "wan22_cfg2_fsdp2_fbc_sparse", "qwen_tp2", "qwen_cfg2_fsdp2",
+CASES_2 = ["wan_i2v_fsdp2_ulysses2", "wan_i2v_tp2", "wan_fsdp2_quant", "wan22_cfg2_fsdp2_fbc_sparse", "qwen_tp2", "qwen_cfg2_fsdp2",
            "flux_tp2"]
 CASES_4 = ["wan_i2v_tp2_ulysses2", "wan_cfg2_ulysses2_fsdp2"]
 _RESULTS = {}
@@ -57,6 +57,23 @@ def test_fsdp_wan_transformer_parity_prefetch_compile_unshard():
         # everything but the model's own modulation table is sharded
         assert r["dtensor_total"] > 0.99 * r["full_bytes"], r
     _halves([(r["dtensor_local"], r["dtensor_total"]) for r in results])
+
+
+def test_fsdp_shards_torchao_int8_weights_as_their_stored_data():
+    results = _each(2, "wan_fsdp2_quant")
+    for r in results:
+        for method, q in r.items():
+            if method == "mesh":
+                continue
+            # the same quantized weights as one process: only the attention split's summation order differs
+            assert q["ref_abs"] > 0.1 and q["diff"] <= TOL and q["unsharded_diff"] <= TOL, (method, q)
+            assert q.get("compiled_diff", 0.0) <= TOL, (method, q)
+            # the int8 rows of ffn.net.0.proj (64 -> 2 x 32): sharded as int8, nothing dequantized
+            assert q["qdata"] == ("torch.int8", (32, 48), (64, 48)), q
+            assert q["weight_between_calls"] is None, q
+            assert q["unsharded_type"] == q["ref_type"] == "Int8Tensor" and q["unboosted_plain"], q
+    for method in ("int8_dynamic", "int8_weight_only"):
+        _halves([(r[method]["int8_local"], r[method]["int8_total"]) for r in results])
 
 
 def test_fsdp_two_experts_text_encoder_cfg2_cached_sparse():
@@ -180,9 +197,14 @@ def test_ffn_width_and_quant_refused(monkeypatch):
                                           r"valid tp_degree for this model and world size: \[1\]"):
         ParallelManager(model, {"parallel": {"tp_degree": 2}})
     model = tiny_wan_transformer(TinyWanSpec(heads=2))
-    for parallel in ({"tp_degree": 2}, {"fsdp_degree": 2}):
-        with pytest.raises(ConfigError, match="quant=None with (tp|fsdp)_degree"):
-            ParallelManager(model, {"parallel": parallel, "quant": "int8_weight_only"})
+    with pytest.raises(ConfigError, match="quant=None with tp_degree"):
+        ParallelManager(model, {"parallel": {"tp_degree": 2}, "quant": "int8_weight_only"})
+    from lite_boost.config import QuantConfig
+    from lite_boost.parallel.shard import check_fsdp
+
+    with pytest.raises(ConfigError, match=r"quant='w8a8_npu'.*valid quant with fsdp_degree > 1: \['int8_dynamic', "
+                                          r"'int8_weight_only', 'fp8'\] or None"):
+        check_fsdp("M", [], 2, QuantConfig("w8a8_npu"))
     model.fuse_qkv_projections()
     with pytest.raises(ConfigError, match="fused q/k/v projections"):
         ParallelManager(model, {"parallel": {"tp_degree": 2}})
@@ -190,15 +212,18 @@ def test_ffn_width_and_quant_refused(monkeypatch):
 
 
 # ---------------------------------------------------------------- a rank dies in a weight all-gather
-def test_rank_dying_in_weight_all_gather_makes_the_others_raise_naming_it():
+@pytest.mark.parametrize("mode, collective", [
+    ("fsdp_die", "'fsdp_all_gather[patch_embedding]' on the fsdp group"),  # a weight all-gather
+    ("tp_die", "'tp_all_reduce[blocks.0.attn1.to_out.0]' on the tp group"),  # a row-wise output all-reduce
+])
+def test_rank_dying_in_a_weight_collective_makes_the_others_raise_naming_it(mode, collective):
     timeout_s = 4.0
-    procs = launch_fault_workers(os.path.join(HERE, "_dist_fault_worker.py"), "fsdp_die", 2, 1, timeout_s)
+    procs = launch_fault_workers(os.path.join(HERE, "_dist_fault_worker.py"), mode, 2, 1, timeout_s)
     try:
         code = procs[0].wait(timeout=90 + timeout_s)  # start-up, then the failure (a closed peer or the timeout)
         log = procs[0].communicate(timeout=10)[0]
         assert code != 0, log
-        assert "CollectiveError: collective 'fsdp_all_gather[patch_embedding]' on the fsdp group (global ranks " \
-               "[0, 1]" in log, log
+        assert f"CollectiveError: collective {collective} (global ranks [0, 1]" in log, log
         assert procs[1].wait(timeout=30) == 3
     finally:
         stop_workers(procs)

@@ -33,7 +33,7 @@ import itertools
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -264,6 +264,9 @@ class GenericFamily:
     pipeline: PipelinePlan = field(default_factory=lambda: PipelinePlan(transformers=PIPELINE_TRANSFORMERS))
     sharding: object = None
     notes: str = ""
+    output: str | None = None  # what the command line reads of a family record: see GenericPipelineFamily
+    cfg_argument: str | None = "guidance_scale"
+    tiny: Mapping = field(default_factory=dict)
 
     @property
     def transformers(self) -> tuple[str, ...]:
@@ -616,6 +619,11 @@ class GenericPipelineFamily:
     joint: str = "unknown"
     sharding: object = None
     notes: str = ""
+    # what the command line reads of a family record (ModelFamily): what the pipeline makes is unknown here, its
+    # CFG scale argument is diffusers' usual one (checked against the pipeline's signature), no built-in tiny run
+    output: str | None = None
+    cfg_argument: str | None = "guidance_scale"
+    tiny: Mapping = field(default_factory=dict)
     pipeline: PipelinePlan = field(default_factory=lambda: PipelinePlan(transformers=PIPELINE_TRANSFORMERS))
 
     @property

@@ -16,8 +16,11 @@ naming the boost option and what to do:
   processor shims, which a swap would drop silently (and unboost would then drop the user's processors).
   On the generic path the swap is taken: the new processors go through lite_boost's attention backend
   as the old ones did (diffusers' processors keep doing the projections, norms and RoPE).
-* ``set_attention_backend``: lite_boost chose the backend (``BoostConfig.attention_backend``); a second
-  choice would silently switch lite_boost off (generic path) or be ignored (family processors).
+* ``load_lora_weights`` / ``load_lora_adapter`` / ``fuse_lora`` on a model whose weights ParallelManager split
+  (tensor parallelism, FSDP2): the LoRA's layers are made for whole weights. Load LoRAs before ParallelManager.
+* ``set_attention_backend`` / ``reset_attention_backend``: lite_boost chose the backend
+  (``BoostConfig.attention_backend``); a second choice would silently switch lite_boost off (generic path) or
+  be ignored (family processors).
 
 The guards are instance attributes of the boosted model (and pipeline), removed by ``unboost``; diffusers'
 classes are untouched.
@@ -35,9 +38,9 @@ __all__ = ["AFTER_SWAP_KEY", "LoaderError", "install_loader_guards", "uninstall_
 GUARDS_KEY = "loader_guards"
 AFTER_SWAP_KEY = "after_processor_swap"  # state.extras: fn(model, state) run after a processor swap was taken
 _PIPELINE_TRANSFORMERS = ("transformer", "transformer_2")
-_MODEL_METHODS = ("fuse_lora", "unfuse_lora", "set_attn_processor", "set_attention_backend",
-                  "_load_ip_adapter_weights")
-_PIPELINE_METHODS = ("fuse_lora", "unfuse_lora", "load_ip_adapter")
+_MODEL_METHODS = ("load_lora_adapter", "fuse_lora", "unfuse_lora", "set_attn_processor", "set_attention_backend",
+                  "reset_attention_backend", "_load_ip_adapter_weights")
+_PIPELINE_METHODS = ("load_lora_weights", "fuse_lora", "unfuse_lora", "load_ip_adapter")
 
 
 def _state(model):
@@ -50,7 +53,24 @@ def _who(model, state) -> str:
     return f"{type(model).__name__} is boosted by lite_boost ({path})"
 
 
+def _sharded(state) -> bool:
+    """Whether ParallelManager split this model's weights (tensor parallelism / FSDP2: ``extras['parallel']``)."""
+    return bool(getattr(state.extras.get("parallel"), "weights", None))
+
+
+def _check_sharded(model, what: str) -> None:
+    state = _state(model)
+    if state is None or not _sharded(state):
+        return
+    raise LoaderError(
+        f"{what} on {type(model).__name__}: ParallelManager split its weights over the ranks "
+        "(parallel.tp_degree / parallel.fsdp_degree), and a LoRA's layers are made for the whole weights. Load "
+        "(and, for tensor parallelism, fuse and unload) LoRAs before ParallelManager, or call "
+        "lite_boost.parallel.unparallelize(pipe) first (a collective: on every rank)")
+
+
 def _check_fuse(model, what: str) -> None:
+    _check_sharded(model, what)
     state = _state(model)
     if state is None or state.config.quant is None:
         return
@@ -94,6 +114,11 @@ def _unfuse_lora(model, prior, *args, **kwargs):
     return _call(model, "unfuse_lora", prior, args, kwargs)
 
 
+def _load_lora_adapter(model, prior, *args, **kwargs):
+    _check_sharded(model, "load_lora_adapter")
+    return _call(model, "load_lora_adapter", prior, args, kwargs)
+
+
 def _set_attn_processor(model, prior, *args, **kwargs):
     _check_processor_swap(model, "set_attn_processor")
     out = _call(model, "set_attn_processor", prior, args, kwargs)
@@ -104,15 +129,24 @@ def _set_attn_processor(model, prior, *args, **kwargs):
     return out
 
 
-def _set_attention_backend(model, prior, *args, **kwargs):
+def _check_backend_switch(model, what: str) -> None:
     state = _state(model)
     if state is not None:
         raise LoaderError(
-            f"set_attention_backend: {_who(model, state)}, which chose the attention backend itself "
+            f"{what}: {_who(model, state)}, which chose the attention backend itself "
             f"(BoostConfig.attention_backend={state.config.attention_backend!r}). Boost with "
             "attention_backend=... to pick lite_boost's backend, or call lite_boost.unboost(...) first to use one of "
             "diffusers' backends")
+
+
+def _set_attention_backend(model, prior, *args, **kwargs):
+    _check_backend_switch(model, "set_attention_backend")
     return _call(model, "set_attention_backend", prior, args, kwargs)
+
+
+def _reset_attention_backend(model, prior, *args, **kwargs):
+    _check_backend_switch(model, "reset_attention_backend")
+    return _call(model, "reset_attention_backend", prior, args, kwargs)
 
 
 def _load_ip_adapter_weights(model, prior, *args, **kwargs):
@@ -120,8 +154,10 @@ def _load_ip_adapter_weights(model, prior, *args, **kwargs):
     return _call(model, "_load_ip_adapter_weights", prior, args, kwargs)
 
 
-_GUARDS = {"fuse_lora": _fuse_lora, "unfuse_lora": _unfuse_lora, "set_attn_processor": _set_attn_processor,
-           "set_attention_backend": _set_attention_backend, "_load_ip_adapter_weights": _load_ip_adapter_weights}
+_GUARDS = {"load_lora_adapter": _load_lora_adapter, "fuse_lora": _fuse_lora, "unfuse_lora": _unfuse_lora,
+           "set_attn_processor": _set_attn_processor,
+           "set_attention_backend": _set_attention_backend, "reset_attention_backend": _reset_attention_backend,
+           "_load_ip_adapter_weights": _load_ip_adapter_weights}
 
 
 def _install(obj, names, guards, store: dict) -> None:
@@ -160,6 +196,12 @@ def _pipe_models(pipe):
     return [m for a in _PIPELINE_TRANSFORMERS if (m := getattr(pipe, a, None)) is not None and _state(m) is not None]
 
 
+def _pipe_load_lora(pipe, prior, *args, **kwargs):
+    for m in _pipe_models(pipe):  # before any component (e.g. a text encoder) takes the LoRA
+        _check_sharded(m, "load_lora_weights")
+    return _call(pipe, "load_lora_weights", prior, args, kwargs)
+
+
 def _pipe_fuse(pipe, prior, *args, **kwargs):
     for m in _pipe_models(pipe):  # before any component (e.g. a text encoder) is fused
         _check_fuse(m, "fuse_lora")
@@ -178,7 +220,8 @@ def _pipe_ip_adapter(pipe, prior, *args, **kwargs):
     return _call(pipe, "load_ip_adapter", prior, args, kwargs)
 
 
-_PIPE_GUARDS = {"fuse_lora": _pipe_fuse, "unfuse_lora": _pipe_unfuse, "load_ip_adapter": _pipe_ip_adapter}
+_PIPE_GUARDS = {"load_lora_weights": _pipe_load_lora, "fuse_lora": _pipe_fuse, "unfuse_lora": _pipe_unfuse,
+                "load_ip_adapter": _pipe_ip_adapter}
 PIPE_GUARDS_ATTR = "_lite_boost_loader_guards"
 
 

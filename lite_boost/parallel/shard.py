@@ -14,9 +14,17 @@ thread on CPU) and is waited for when the next block starts. A failed or stalled
 :class:`~lite_boost.parallel.comm.CollectiveError` naming ``fsdp_all_gather[<block path>]``, the fsdp
 group and the wait. The blocks keep their class names in the instance's ``_repeated_blocks``
 (``fully_shard`` gives each sharded module an ``FSDP<Class>`` subclass), so diffusers'
-``compile_repeated_blocks`` still finds them (the FSDP hooks are traced with the block). Torchao's
-quantized weight tensors cannot be split by FSDP2 (no ``aten.split`` on ``Int8Tensor``): that
-combination is refused up front (:func:`check_fsdp`).
+``compile_repeated_blocks`` still finds them (the FSDP hooks are traced with the block).
+
+Quantized weights (torchao tensor subclasses such as ``Int8Tensor`` / ``Float8Tensor``) cannot be given
+to ``fully_shard`` as they are: FSDP2 splits a parameter with ``torch.chunk`` (``aten.split``), which
+``Int8Tensor`` does not implement. The quantization is therefore done first, on the full weights (as
+in one process), and its stored tensors are what FSDP shards: each quantized weight is replaced by its
+inner plain tensors (``weight__qdata``, ``weight__scale``, ... from ``__tensor_flatten__``) registered
+as frozen parameters, and a forward pre-hook of the Linear layer puts the quantized tensor back
+together (``__tensor_unflatten__``) from the gathered inner tensors; a post-hook drops it again. The
+int8 / float8 data travels in the all-gather as it is stored: nothing is re-quantized, and the
+reassembled weight equals the one-process weight bit for bit.
 
 Tensor parallelism (:func:`apply_tensor_parallel`): the plan's "colwise" layers (q / k / v, the FFN's
 first projection) keep ``1 / tp_degree`` of their output features, the "rowwise" ones (attention
@@ -32,6 +40,7 @@ Both are undone by :meth:`remove` (a collective: the full weights are all-gather
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -44,7 +53,7 @@ from ..config import ConfigError
 from .comm import Communicator
 
 __all__ = ["TensorParallelPlan", "shard_weights", "apply_tensor_parallel", "check_fsdp", "check_tensor_parallel",
-           "block_class_names", "local_parameter_bytes", "FsdpShards", "TensorParallelShards", "HEAD_ATTRS"]
+           "block_class_names", "local_parameter_bytes", "FsdpShards", "PackedWeight", "TensorParallelShards", "HEAD_ATTRS"]
 
 TP_STYLES = ("colwise", "rowwise")
 # attributes of an attention module that count heads or head channels: divided by tp_degree on the instance
@@ -128,6 +137,11 @@ def _tp_sizes(model, plan: TensorParallelPlan):
     for path, name, module in _match(model, list(plan.layers)):
         style = plan.layers[path]
         weight = getattr(module, "weight", None)
+        if not isinstance(module, torch.nn.Linear) and isinstance(getattr(module, "base_layer", None), torch.nn.Linear):
+            raise ConfigError(f"tensor-parallel plan entry {path!r}: {name} carries an adapter (a LoRA: "
+                              f"{type(module).__module__}.{type(module).__name__} around the Linear layer), which "
+                              "tensor parallelism does not split. Fuse it into the weights and drop its layers first "
+                              "(pipe.fuse_lora(); pipe.unload_lora_weights()), or use tp_degree=1")
         if not isinstance(module, torch.nn.Linear) or weight is None:
             raise ConfigError(f"tensor-parallel plan entry {path!r} matches {name} ({type(module).__name__}), "
                               "not a Linear layer")
@@ -174,14 +188,18 @@ def check_tensor_parallel(model, plan: TensorParallelPlan | None, tp_degree: int
                           f"and world size: {valid}")
 
 
+# quantization methods whose weights FSDP shards (torchao tensor subclasses, split as their inner tensors)
+FSDP_QUANT_METHODS = ("int8_dynamic", "int8_weight_only", "fp8")
+
+
 def check_fsdp(target_name: str, modules, fsdp_degree: int, quant) -> None:
     """ConfigError, before any collective, when the ``modules`` cannot be sharded over ``fsdp_degree`` ranks."""
     if fsdp_degree == 1:
         return
-    if quant is not None:
-        raise ConfigError(f"fsdp_degree={fsdp_degree} with quant={quant.method!r}: FSDP2 cannot split torchao's "
-                          "quantized weight tensors (no aten.split on them). Valid: fsdp_degree=1 with quant, or "
-                          "quant=None with fsdp_degree")
+    if quant is not None and quant.method not in FSDP_QUANT_METHODS:
+        raise ConfigError(f"fsdp_degree={fsdp_degree} with quant={quant.method!r}: its int8 weight and weight_scale "
+                          "are read by an instance forward that FSDP has not been run with on Ascend; valid quant "
+                          f"with fsdp_degree > 1: {list(FSDP_QUANT_METHODS)} or None")
     for label, module in modules:
         if not block_class_names(module):
             raise ConfigError(f"fsdp_degree={fsdp_degree}: {target_name}.{label} ({type(module).__name__}) names no "
@@ -199,6 +217,7 @@ class FsdpShards:
     blocks: list
     comm: Communicator
     priors: dict = field(default_factory=dict)  # instance attributes replaced (``_repeated_blocks``)
+    packed: list = field(default_factory=list)  # quantized weights kept as their inner tensors
 
     def remove(self) -> None:
         """All-gather the full weights back and take FSDP off (collective: every rank of the group)."""
@@ -233,7 +252,67 @@ class FsdpShards:
                 module.__dict__.pop(name, None)
             else:
                 setattr(module, name, value)
-        self.sharded = []
+        for packed in self.packed:
+            packed.unpack()
+        self.sharded, self.packed = [], []
+
+
+PACKED_SEP = "__"  # weight -> weight__qdata, weight__scale, ...
+
+
+class PackedWeight:
+    """A quantized (tensor-subclass) ``weight`` of ``module`` kept as its inner plain tensors, which FSDP
+    can shard; the quantized tensor is put back together from them for each call (see the module doc)."""
+
+    def __init__(self, module: torch.nn.Module, name: str = "weight"):
+        weight = getattr(module, name)
+        self.module, self.name = module, name
+        self.inner, self.ctx = weight.__tensor_flatten__()
+        self.cls, self.size, self.stride = type(weight), weight.size(), weight.stride()
+        self.requires_grad = weight.requires_grad
+        del module._parameters[name]
+        for key in self.inner:
+            t = getattr(weight, key)
+            if t.ndim == 0:  # a per-tensor scalar: FSDP shards along dim 0, so it stays whole (a buffer)
+                module.register_buffer(self._key(key), t)
+            else:
+                module.register_parameter(self._key(key), torch.nn.Parameter(t, requires_grad=False))
+        module.__dict__[name] = None
+        self.handles = [module.register_forward_pre_hook(self._pack), module.register_forward_hook(self._drop)]
+
+    def _key(self, key: str) -> str:
+        return f"{self.name}{PACKED_SEP}{key}"
+
+    def _assemble(self, module):
+        inner = {k: getattr(module, self._key(k)) for k in self.inner}
+        return self.cls.__tensor_unflatten__(inner, self.ctx, self.size, self.stride)
+
+    def _pack(self, module, args):
+        setattr(module, self.name, self._assemble(module))  # a plain attribute: no parameter of that name
+
+    def _drop(self, module, args, output):
+        setattr(module, self.name, None)
+
+    def unpack(self) -> None:
+        """Register the quantized tensor as ``weight`` again (after FSDP's removal gathered the inner tensors)."""
+        module = self.module
+        for h in self.handles:
+            h.remove()
+        weight = self._assemble(module)
+        for key in self.inner:
+            module._parameters.pop(self._key(key), None)
+            module._buffers.pop(self._key(key), None)
+        module.__dict__.pop(self.name, None)
+        module.register_parameter(self.name, torch.nn.Parameter(weight, requires_grad=self.requires_grad))
+
+
+def _subclass_weight(module) -> bool:
+    """Whether ``module.weight`` is a wrapper tensor subclass (a torchao quantized weight), not a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    w = module._parameters.get("weight") if isinstance(module, torch.nn.Module) else None
+    return (w is not None and type(w) not in (torch.Tensor, torch.nn.Parameter) and not isinstance(w, DTensor)
+            and hasattr(w, "__tensor_flatten__"))
 
 
 def _named_errors(group, name: str, comm: Communicator) -> None:
@@ -291,6 +370,7 @@ def shard_weights(module: torch.nn.Module, mesh, comm: Communicator, *, prefetch
 
     blocks, others = _units(module, block_class_names(module))
     shards = FsdpShards(module=module, sharded=[], blocks=[m for _, m in blocks], comm=comm)
+    shards.packed = [PackedWeight(m) for m in module.modules() if _subclass_weight(m)]
     for path, unit in blocks + others:
         fully_shard(unit, mesh=mesh, reshard_after_forward=True)
         shards.sharded.append(unit)
@@ -384,6 +464,17 @@ def _style(style):
     return _styles({"x": style})["x"] if not hasattr(style, "_apply") else style
 
 
+def _named_wait(comm: Communicator, op: str, module, args, output):
+    """Forward hook after a layer's DTensor output hook: a row-wise layer's output all-reduce is issued
+    asynchronously (an ``AsyncCollectiveTensor``); wait for it here, so that a dead or stalled peer raises
+    :class:`~lite_boost.parallel.comm.CollectiveError` naming this all-reduce and the tp group."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if isinstance(output, AsyncCollectiveTensor) and not torch.compiler.is_compiling():
+        return comm._call(op, output.trigger_wait)
+    return output
+
+
 def apply_tensor_parallel(model, plan: TensorParallelPlan, mesh, comm: Communicator) -> TensorParallelShards:
     """Split ``model``'s planned layers over the 1-D DeviceMesh ``mesh`` of the tp group ``comm``."""
     from torch.distributed.tensor.parallel import parallelize_module
@@ -393,6 +484,7 @@ def apply_tensor_parallel(model, plan: TensorParallelPlan, mesh, comm: Communica
     for path, name, module in _match(model, list(plan.layers)):
         pre, post = set(module._forward_pre_hooks), set(module._forward_hooks)
         parallelize_module(module, mesh, _style(plan.layers[path]))
+        module.register_forward_hook(functools.partial(_named_wait, comm, f"tp_all_reduce[{name}]"))
         shards.layers.append((module, set(module._forward_pre_hooks) - pre, set(module._forward_hooks) - post))
         if plan.layers[path] != "rowwise":
             parent = _parent(model, name)

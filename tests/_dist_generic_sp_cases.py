@@ -42,6 +42,13 @@ CASES = {
     "chronoedit_ring": ("ChronoEditTransformer3DModel", {}, "uneven", lambda w: {"ring_degree": w}),
     "flux2_ulysses": ("Flux2Transformer2DModel", {}, "uneven", lambda w: {"ulysses_degree": w}),
     "flux2_ring": ("Flux2Transformer2DModel", {}, "uneven", lambda w: {"ring_degree": w}),
+    # the other generic _cp_plan carriers, at diffusers' own test inputs: Helios (128 video tokens plus its
+    # history latents; its plan names the 40 blocks of the released model, the tiny one has 2), MiniMax-H3 (18
+    # packed video / audio / text tokens). LTX-2's plan has a gap (PLAN_GAPS; refused, test_parallel_generic.py).
+    "helios_ulysses": ("HeliosTransformer3DModel", {}, "default", lambda w: {"ulysses_degree": w}),
+    "helios_ring": ("HeliosTransformer3DModel", {}, "default", lambda w: {"ring_degree": w}),
+    "minimax_h3_ulysses": ("MiniMaxH3Transformer3DModel", {}, "default", lambda w: {"ulysses_degree": w}),
+    "minimax_h3_ring": ("MiniMaxH3Transformer3DModel", {}, "default", lambda w: {"ring_degree": w}),
 }
 
 

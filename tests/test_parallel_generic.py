@@ -16,6 +16,7 @@ import torch
 import _dist_generic_sp_cases as cases
 from _diffusers_tiny import build, model_class
 from _dist_utils import run_ranks
+from lite_boost.config import ConfigError
 from lite_boost.parallel.plan import PlanError
 
 TOL = 1e-5
@@ -67,6 +68,51 @@ def test_generic_records_say_which_classes_run_sequence_parallel():
     bria = generic_family(build("BriaTransformer2DModel"))
     assert not bria.supports("sequence_parallel")
     assert "_cp_plan" in bria.features["sequence_parallel"]
+
+
+def test_plan_with_a_known_gap_is_refused_before_any_collective():
+    """LTX-2's own plan leaves the cross-attention RoPE unsplit: refused by the planner with that reason, nothing
+    changed; a plan the user puts on the instance is taken instead."""
+    from lite_boost.adapter.generic import class_family, generic_family
+    from lite_boost.api import is_boosted
+
+    name = "LTX2VideoTransformer3DModel"
+    assert not class_family(model_class(name)).supports("sequence_parallel")
+    from lite_boost.plan import make_plan
+
+    model = build(name)
+    with pytest.raises(ConfigError, match=r"(?s)sequence.*LTX2VideoTransformer3DModel.*cross_attn_rope"):
+        make_plan(None, {"parallel": {"ulysses_degree": 2}}, parallel=True, family=generic_family(model),
+                  class_name=name, world_size=2)
+    assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    assert not is_boosted(model)
+    model._cp_plan = dict(type(model)._cp_plan)  # the user's own plan
+    assert generic_family(model).supports("sequence_parallel")
+
+
+def test_plan_entries_past_the_model_depth_are_dropped():
+    """Helios' plan names blocks 0..39 of the released model; a 2-block config keeps the entries it has."""
+    from lite_boost.adapter.generic_parallel import fitted_plan, sequence_plan
+
+    model = build("HeliosTransformer3DModel")
+    plan = model._cp_plan
+    fitted = fitted_plan(model, plan)
+    assert "blocks.1.attn1" in fitted and "blocks.2.attn1" not in fitted and "blocks.*.attn1" in fitted
+    assert len(fitted) == 3 + 3 * len(model.blocks)
+    sequence_plan(model).check(model)  # no PlanError
+    broken = dict(plan, **{"blocks.0.nope": plan["blocks.0.attn1"]})  # a name that is wrong, not too deep
+    assert "blocks.0.nope" in fitted_plan(model, broken)
+
+
+def test_key_bias_takes_only_masks_over_the_keys():
+    from lite_boost.adapter.generic_parallel import key_bias
+
+    q, k = torch.zeros(2, 5, 3, 4), torch.zeros(2, 7, 3, 4)
+    for shape in ((2, 1, 1, 7), (1, 3, 1, 7), (2, 3, 1, 7)):
+        assert key_bias(torch.zeros(shape), q, k) is not None
+    for mask in (torch.zeros(2, 1, 5, 7), torch.zeros(2, 1, 1, 6), torch.zeros(2, 7), torch.zeros(2, 1, 1, 7).bool(),
+                 torch.zeros(2, 2, 1, 7)):
+        assert key_bias(mask, q, k) is None
 
 
 def test_cp_plan_naming_a_missing_module_is_refused():

@@ -47,7 +47,7 @@ from ..registry import UnsupportedModelError, family_of, lookup, register_fallba
 from .boost import STATE_ATTR, BoostState, check_attention_precision
 from .cache import install_cache, uninstall_cache
 from .family import FEATURES
-from .generic_parallel import cp_plan_of, key_padding_mask as _key_padding_mask, sequence_plan
+from .generic_parallel import cp_plan_of, key_padding_mask as _key_padding_mask, plan_gap, sequence_plan
 from .loaders import AFTER_SWAP_KEY, install_loader_guards, install_pipeline_guards, uninstall_loader_guards, uninstall_pipeline_guards
 from .steps import attach_step_check, detach_step_check
 from .generic_sparse import SPARSE_CACHE_METHODS, install_generic_sparse, latent_grid, uninstall_generic_sparse
@@ -336,6 +336,8 @@ def generic_family(model) -> GenericFamily:
     }
     if splan is None:
         unsupported["sequence_parallel"] = f"{type(model).__name__} carries no _cp_plan (diffusers' context-parallel plan)"
+    elif plan_gap(model) is not None:
+        unsupported["sequence_parallel"] = plan_gap(model)
     if patch is None:
         unsupported["sparse"] = "no patch size in the model config: the latent token grid is unknown"
     patterns = repeated_block_patterns(model)
@@ -370,6 +372,8 @@ def class_family(cls: type, pipeline_class: str | None = None) -> GenericFamily:
     }
     if not cp_plan_of(cls):
         unsupported["sequence_parallel"] = f"{cls.__name__} carries no _cp_plan (diffusers' context-parallel plan)"
+    elif plan_gap(cls) is not None:
+        unsupported["sequence_parallel"] = plan_gap(cls)
     if "patch_size" not in params:
         unsupported["sparse"] = "no patch size in the model config: the latent token grid is unknown"
     if not getattr(cls, "_repeated_blocks", None):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import inspect
 import re
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ from ..parallel.plan import PlanError
 from ..parallel.ulysses import SequenceShardInfo
 from .boost import STATE_ATTR
 
-__all__ = ["GenericSequencePlan", "key_padding_mask", "SequenceParallelAttention", "cp_plan_of", "sequence_plan", "NO_PLAN_HELP"]
+__all__ = ["PLAN_GAPS", "plan_gap", "fitted_plan", "key_bias", "GenericSequencePlan", "key_padding_mask", "SequenceParallelAttention", "cp_plan_of", "sequence_plan", "NO_PLAN_HELP"]
 
 NO_PLAN_HELP = (
     "Supply one before ParallelManager, either as diffusers' context-parallel plan on the instance "
@@ -53,6 +54,25 @@ NO_PLAN_HELP = (
     "'proj_out': ContextParallelOutput(gather_dim=1, expected_dims=3)}, from diffusers.models._modeling_parallel; "
     "the processors must pass parallel_config=self._parallel_config to dispatch_attention_fn for the attention "
     "over the split sequence), or as a ModelFamily(sharding=ShardingPlan(...)) record (the adapter guide)")
+
+
+# diffusers plans known not to cover every tensor their model splits, by class: the generic path refuses sequence
+# parallelism with the reason while the model uses the class's own plan (an instance plan the user supplies wins)
+PLAN_GAPS = MappingProxyType({
+    "LTX2VideoTransformer3DModel": (
+        "diffusers' _cp_plan of LTX2VideoTransformer3DModel splits the video tokens and the RoPE tables of 'rope', "
+        "but not those of 'cross_attn_rope' that the audio-video cross-attention applies to the same video tokens "
+        "(the shapes disagree on every rank), nor does it say how the unsplit audio stream meets the split video"),
+})
+
+
+def plan_gap(model) -> str | None:
+    """Why the class's own ``_cp_plan`` cannot run ``model`` (a model instance or class), or None."""
+    cls = model if isinstance(model, type) else type(model)
+    why = PLAN_GAPS.get(cls.__name__)
+    if why is None or getattr(model, "_cp_plan", None) is not getattr(cls, "_cp_plan", None):
+        return None
+    return why
 
 
 def cp_plan_of(model) -> dict | None:
@@ -71,6 +91,41 @@ def _modules(model, path: str) -> list[torch.nn.Module]:
         return [model.get_submodule(path)]
     except AttributeError:
         return []
+
+
+def _past_depth(model, path: str) -> tuple[int, int] | None:
+    """(atom position, list length) where ``path`` indexes a ModuleList past its end, else None."""
+    mod = model
+    for i, atom in enumerate(path.split(".") if path else []):
+        if isinstance(mod, torch.nn.ModuleList) and atom.isdigit():
+            if int(atom) >= len(mod):
+                return i, len(mod)
+            mod = mod[int(atom)]
+        elif atom in getattr(mod, "_modules", {}):
+            mod = mod._modules[atom]
+        else:
+            return None
+    return None
+
+
+def fitted_plan(model, plan: dict) -> dict:
+    """``plan`` without the entries of an enumeration that runs past the instance's depth: diffusers plans that
+    list every block of the released model (Helios: ``blocks.0.attn1`` .. ``blocks.39.attn1``) name modules a
+    smaller config lacks. An entry is dropped only when the plan enumerates every index the instance has, so a
+    wrong name stays (and is refused by the check)."""
+    keep = {}
+    for path, entry in plan.items():
+        past = None if _modules(model, path) else _past_depth(model, path)
+        if past is not None:
+            pos, length = past
+            atoms = path.split(".")
+            listed = {p.split(".")[pos] for p in plan
+                      if len(p.split(".")) == len(atoms)
+                      and all(a == b for j, (a, b) in enumerate(zip(p.split("."), atoms)) if j != pos)}
+            if {str(i) for i in range(length)} <= listed:
+                continue
+        keep[path] = entry
+    return keep
 
 
 def _params(module) -> list[str]:
@@ -121,7 +176,7 @@ class GenericSequencePlan:
 
     def check(self, model, config=None) -> None:
         """PlanError / ConfigError before any collective when the plan or ``config`` cannot run on ``model``."""
-        _check_plan(model, self.plan)
+        _check_plan(model, fitted_plan(model, self.plan))
         if config is None:
             return
         if config.sparse is not None and config.sparse.sparse_type is not None:
@@ -135,7 +190,7 @@ class GenericSequencePlan:
 
     def install(self, model, mesh) -> "_Installed":
         """Execute the plan on ``model`` (boosted on the generic path) over ``mesh``'s sequence group."""
-        return _Installed(model, self.plan, mesh).apply()
+        return _Installed(model, fitted_plan(model, self.plan), mesh).apply()
 
 
 def sequence_plan(model) -> GenericSequencePlan | None:
@@ -155,6 +210,17 @@ def key_padding_mask(attn_mask, q: torch.Tensor, k: torch.Tensor):
     if m.dim() in (3, 4) and m.shape[-1] == s_k and all(d == 1 for d in m.shape[1:-1]) and m.shape[0] in (1, b):
         return m.reshape(m.shape[0], s_k).expand(b, s_k)
     return None
+
+
+def key_bias(attn_mask, q: torch.Tensor, k: torch.Tensor):
+    """A float mask that only biases keys, (B or 1, H or 1, 1, S_k) (an additive padding bias such as LTX-2's
+    ``(1 - mask) * -10000``), as it is, else None."""
+    if attn_mask is None or not attn_mask.is_floating_point() or attn_mask.dim() != 4:
+        return None
+    b, n, one, s_k = attn_mask.shape
+    if s_k != k.shape[1] or one != 1 or b not in (1, q.shape[0]) or n not in (1, q.shape[2]):
+        return None
+    return attn_mask
 
 
 class _Marker:
@@ -196,9 +262,11 @@ class SequenceParallelAttention:
             raise RuntimeError(f"{self.ctx.model_class}: sequence-parallel attention takes neither dropout, causal "
                                "attention nor a custom scale (the processor asked for one)")
         key_mask = key_padding_mask(attn_mask, q, k) if attn_mask is not None else None
-        if attn_mask is not None and key_mask is None:
+        bias = key_bias(attn_mask, q, k) if key_mask is None else None
+        if attn_mask is not None and key_mask is None and bias is None:
             raise RuntimeError(f"{self.ctx.model_class}: sequence-parallel attention takes no attention mask other "
-                               f"than a boolean key-padding mask (got {tuple(attn_mask.shape)} {attn_mask.dtype})")
+                               f"than a boolean key-padding mask or a float bias over the keys only, (B, 1 or H, 1, "
+                               f"S_k) (got {tuple(attn_mask.shape)} {attn_mask.dtype})")
         comm = self.comm
         n = torch.tensor([q.shape[1], k.shape[1]], dtype=torch.int64, device=q.device)
         every = n.new_empty(2 * comm.size)
@@ -208,9 +276,9 @@ class SequenceParallelAttention:
         if k.shape[2] != q.shape[2]:  # grouped-query attention: every query head its key / value head
             k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
             v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
-        if lq == lk and key_mask is None:
+        if lq == lk and key_mask is None and bias is None:
             return self._self(q, k, v, lq)
-        return self._gathered(q, k, v, key_mask, lk)
+        return self._gathered(q, k, v, key_mask, lk, bias)
 
     # self-attention over the split sequence: Ulysses / Ring / USP on balanced shards
     def _self(self, q, k, v, counts: list[int]) -> torch.Tensor:
@@ -251,15 +319,21 @@ class SequenceParallelAttention:
         return back.transpose(0, 1).contiguous()
 
     # attention to another split sequence: gather keys, values (and the key mask)
-    def _gathered(self, q, k, v, key_mask, lk: list[int]) -> torch.Tensor:
+    def _gathered(self, q, k, v, key_mask, lk: list[int], bias=None) -> torch.Tensor:
         comm = self.comm
         k = comm.all_gather_uneven(k.contiguous(), 1, sizes=lk, op="sp_keys")
         v = comm.all_gather_uneven(v.contiguous(), 1, sizes=lk, op="sp_values")
         if key_mask is not None:
             key_mask = comm.all_gather_uneven(key_mask.to(torch.uint8).contiguous(), 1, sizes=lk,
                                               op="sp_key_mask").bool()
+        if bias is not None:
+            bias = comm.all_gather_uneven(bias.contiguous(), 3, sizes=lk, op="sp_key_bias")
         if q.shape[1] == 0:
             return q.new_empty(q.shape[:3] + (v.shape[-1],))
+        if bias is not None:  # an additive bias: SDPA, as diffusers' native backend runs it on one rank
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias.to(q.dtype))
+            return out.transpose(1, 2)
         return self.ctx.cross_attn_fn(q, k, v, key_mask)
 
 

@@ -768,7 +768,8 @@ def _call_kwargs(args, kind, tiny: bool, family, pipe=None):
         kw.update(embeds)
     else:
         kw["prompt"] = args.prompt or DEMO_PROMPT
-        kw["negative_prompt"] = args.negative_prompt if args.negative_prompt is not None else DEMO_NEGATIVE_PROMPT
+        if params is None or "negative_prompt" in params:  # some pipelines take none (they encode "" themselves)
+            kw["negative_prompt"] = args.negative_prompt if args.negative_prompt is not None else DEMO_NEGATIVE_PROMPT
     for key, value in (("height", args.height or shape[0]), ("width", args.width or shape[1]),
                        ("num_frames", (args.num_frames or shape[2]) if video else None),
                        ("num_inference_steps", args.steps or steps)):

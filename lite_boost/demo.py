@@ -10,6 +10,7 @@ No hub access: the tokenizer is a WordLevel model built in memory. The Qwen-Imag
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 
@@ -299,3 +300,47 @@ def describe_qwen_image_demo(pipe, kw) -> str:
     return (f"  model: random weights; transformer {cfg.num_layers} layers x {cfg.num_attention_heads} heads x "
             f"{cfg.attention_head_dim}, {h} x {w} = {h * w:,} image tokens + {text}; VAE "
             f"{pipe.vae.config.base_dim} channels wide")
+
+
+# ------------------------------------------------------------------------------------------------ Flux.2
+DEMO_FLUX2_SHAPE = (64, 64)  # height, width px -> 32 x 32 = 1,024 image tokens (1-level VAE, 2 x 2 packing)
+DEMO_FLUX2_TEXT_LEN = 12
+
+
+def demo_flux2_pipeline(kind: str, dtype=torch.float32):
+    """The tiny Flux.2 [klein] pipeline of ``lite-boost generate --family flux2``: random weights, 2 dual- and 2
+    single-stream blocks of 2 heads x 64, a one-level ``AutoencoderKLFlux2`` with 1 latent channel, no text
+    encoder (random prompt embeddings, :func:`flux2_demo_prompt`)."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
+
+    torch.manual_seed(0)
+    model = Flux2Transformer2DModel(patch_size=1, in_channels=4, num_layers=2, num_single_layers=2,
+                                    attention_head_dim=64, num_attention_heads=2, joint_attention_dim=32,
+                                    axes_dims_rope=(16, 16, 16, 16), guidance_embeds=False).to(dtype).eval()
+    vae = AutoencoderKLFlux2(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",),
+                             up_block_types=("UpDecoderBlock2D",), block_out_channels=(4,), layers_per_block=1,
+                             latent_channels=1, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False)
+    pipe = Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae.eval(), text_encoder=None,
+                              tokenizer=None, transformer=model)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def flux2_demo_prompt(pipe, *, cfg: bool, seed: int) -> dict:
+    """Random ``prompt_embeds`` (+ ``negative_prompt_embeds`` with ``cfg``) for a Flux.2 pipeline without a text
+    encoder, at the width of its transformer's ``joint_attention_dim``."""
+    g = torch.Generator().manual_seed(seed)
+    dim = pipe.transformer.config.joint_attention_dim
+    kw = {"prompt_embeds": torch.randn(1, DEMO_FLUX2_TEXT_LEN, dim, generator=g)}
+    if cfg and "negative_prompt_embeds" in inspect.signature(pipe.__call__).parameters:
+        kw["negative_prompt_embeds"] = torch.randn(1, DEMO_FLUX2_TEXT_LEN, dim, generator=g)
+    return kw
+
+
+def describe_flux2_demo(pipe, kw) -> str:
+    """What the built-in Flux.2 model is: random weights, its transformer, image and text tokens."""
+    cfg = pipe.transformer.config
+    h, w = kw["height"] // (2 * pipe.vae_scale_factor), kw["width"] // (2 * pipe.vae_scale_factor)
+    return (f"  model: random weights; transformer {cfg.num_layers} + {cfg.num_single_layers} blocks x "
+            f"{cfg.num_attention_heads} heads x {cfg.attention_head_dim}, {h} x {w} = {h * w:,} image tokens + "
+            f"{DEMO_FLUX2_TEXT_LEN} text tokens (random prompt embeddings: no text encoder)")

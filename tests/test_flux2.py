@@ -177,3 +177,19 @@ def test_int8_weight_only_quantizes_the_blocks_and_stays_close():
     with torch.no_grad():
         ref, got = t2.transformer(SPEC)(**x).sample, model(**x).sample
     assert "quant" in model._lite_boost.extras and 0 < ((got - ref).norm() / ref.norm()).item() < 0.01
+
+
+def test_generate_runs_a_saved_pipeline_without_a_text_encoder(tmp_path, capsys):
+    """``lite-boost generate --model PATH``: prompt embeddings from the family's tiny record, no negative_prompt
+    argument (Flux.2's pipelines take none), boosted = stock; under inference mode the RoPE cache serves."""
+    import re
+
+    from lite_boost.cli import main
+
+    t2.pipeline("klein").save_pretrained(tmp_path / "klein")
+    assert main(["generate", "--model", str(tmp_path / "klein"), "--height", "16", "--width", "16", "--steps", "2",
+                 "--warmup", "0", "--output", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert float(re.search(r"max \|boosted - stock\| over the image \(values in \[0, 1\]\): (\S+)", out).group(1)) <= TOL
+    hits = int(re.search(r"RoPE tables: cached, (\d+) hits", out).group(1))
+    assert hits >= 4, out

@@ -33,7 +33,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..adapter import AttentionSite, DenseAttention, LiteBoostProcessor, ModelFamily, RopeSource, rotate_qk
+from ..adapter import (AttentionSite, DenseAttention, LiteBoostProcessor, ModelFamily, RopeSource, TinyPipeline,
+                       rotate_qk)
 from ..adapter.shims import (SEA_CACHE_WHY_NOT, CachedRope, call_arg, norm_qk, packed_output_shape, raster_grid,
                              separate_passes_why_not, tensor_keys)
 from ..cache import CacheAdapter
@@ -75,7 +76,7 @@ def _call_context(model, args, kwargs) -> Flux2Call:
 def _which(ids: torch.Tensor, call, state) -> str | None:
     """"image" or "text" when ``ids`` are the call's image or text ids, else None (diffusers' own tables).
 
-    Eagerly: the caller's tensor or the model's first-sample view of it. Traced (identity of views is not
+    Eagerly: the caller's tensor or the model's first-sample view of it (same storage, offset and strides). Traced (identity of views is not
     reliable there): by row count; equal text and image lengths need no telling apart on one process (the
     image rows are all rows) and are refused under sequence parallelism.
     """
@@ -83,7 +84,8 @@ def _which(ids: torch.Tensor, call, state) -> str | None:
         return None
     if not torch.compiler.is_compiling():
         for name, caller in (("image", call.img_ids), ("text", call.txt_ids)):
-            if ids is caller or (caller.ndim == 3 and ids._base is (caller if caller._base is None else caller._base)
+            if ids is caller or (caller.ndim == 3 and ids.untyped_storage().data_ptr()
+                                 == caller.untyped_storage().data_ptr()
                                  and ids.storage_offset() == caller.storage_offset()
                                  and ids.shape == caller.shape[1:] and ids.stride() == caller.stride()[1:]):
                 return name  # the caller's tensor, or caller[0] (the model's view of 3-D ids)
@@ -301,6 +303,11 @@ FLUX2 = register_family(ModelFamily(
     unsupported={"parallel_vae": "AutoencoderKLFlux2 has no parallel-VAE adapter yet; each rank decodes the image"},
     notes="text replicated on every rank; Flux.2 [dev] is guidance-distilled (no CFG); reference-image KV caching "
           "(Flux.2 [klein] KV) on one process only",
+    # `lite-boost generate --family flux2`: 64 x 64 px = 1,024 image tokens, random prompt embeddings (no text
+    # encoder), 10 steps, dense (lite_boost.demo.DEMO_FLUX2_*)
+    tiny={"t2i": TinyPipeline("Flux2KleinPipeline", builder="lite_boost.demo:demo_flux2_pipeline",
+                              shape=(64, 64, None), steps=10, describe="lite_boost.demo:describe_flux2_demo",
+                              prompt="lite_boost.demo:flux2_demo_prompt")},
 ))
 
 boost_flux2_transformer = FLUX2.boost_transformer

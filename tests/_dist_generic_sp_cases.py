@@ -78,12 +78,13 @@ def run_all(rank, world_size, init_method):
     torch.set_num_threads(1)
     from lite_boost import registry
 
-    # ChronoEdit has a family (lite_boost.models.chronoedit); here it stands for a model without one (this rank's
-    # process only)
+    # ChronoEdit and Flux.2 have families (lite_boost.models.chronoedit, .flux2); here they stand for models
+    # without one (this rank's process only)
     registry.load_builtin_adapters()
-    family = registry._FAMILIES.pop("chronoedit")
-    for cls in (*family.transformers, *family.pipelines):
-        registry.SUPPORTED_MODELS.pop(cls)
+    for name in ("chronoedit", "flux2"):
+        family = registry._FAMILIES.pop(name)
+        for cls in (*family.transformers, *family.pipelines):
+            registry.SUPPORTED_MODELS.pop(cls)
     from lite_boost.parallel import initialize_usp
 
     meshes = {}

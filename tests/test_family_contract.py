@@ -9,7 +9,8 @@ token grids) with the inputs of one call, and what the family claims. Every row 
   hook or parameter left behind, no class touched) and the stock output, bit for bit; boosting twice
   with the same config is a no-op;
 - save / load: a boosted model saves the stock weights (``save_pretrained``), loads as a stock model of
-  its class with stock output, and boosts again to the same output; ``.to()`` keeps it boosted and exact;
+  its class with stock output, and boosts again to the same output; ``copy.deepcopy`` gives an independent
+  boosted copy (refused with a TypeError on the generic path); ``.to()`` keeps it boosted and exact;
 - bf16: a boosted bf16 model runs (finite output) and stays close to the fp32 stock output (relative L2
   error below ``bf16``, and no worse than the stock bf16 model's by more than a small margin);
 - compile: no graph break added (none where stock has none: one graph), and diffusers' regional compile
@@ -22,6 +23,8 @@ in the family's own test file.
 """
 
 from __future__ import annotations
+
+import copy
 
 from dataclasses import dataclass
 from typing import Callable
@@ -117,6 +120,13 @@ def _flux():
                steps=(0.9, 0.6))
 
 
+def _flux2():
+    import _tiny_flux2 as t2
+
+    return Row("flux2", lambda dtype: t2.transformer(dtype=dtype),
+               _floats(lambda: t2.transformer_inputs(text_ids="random", reference=(2, 3))), steps=(0.9, 0.6))
+
+
 def _ltx():
     import _tiny_ltx as tl
 
@@ -174,6 +184,7 @@ ROWS = {
     "wan-ti2v-5b": _wan_ti2v_5b,
     "qwen-image": _qwen_image,
     "flux": _flux,
+    "flux2": _flux2,
     "ltx": _ltx,
     "cogvideox": _cogvideox,
     "hunyuan-video": _hunyuan_video,
@@ -282,6 +293,14 @@ def test_save_load_and_to(row, tmp_path):
     assert torch.equal(_out(loaded, x), stock)  # what was saved is the stock model
     lite_boost.boost(loaded)
     assert torch.equal(_out(loaded, x), boosted)
+    if row.family == "generic":  # its attention backend is registered for the one instance: refused clearly
+        with pytest.raises(TypeError, match="generic path is not supported.*Copy the model before boosting"):
+            copy.deepcopy(model)
+    else:  # a copy is boosted on its own: unboosting it leaves the original boosted
+        twin = copy.deepcopy(model)
+        assert is_boosted(twin) and torch.equal(_out(twin, x), boosted)
+        lite_boost.unboost(twin)
+        assert not is_boosted(twin) and is_boosted(model) and torch.equal(_out(model, x), boosted)
     model.to("cpu").to(torch.float64).to(torch.float32).eval()
     assert is_boosted(model)
     _close(_out(model, x), stock, row.parity)

@@ -207,10 +207,10 @@ def test_generic_sparse_compile_clean_and_regional_compile_equals_eager():
 def test_generic_sparse_refuses_unknown_layouts():
     from lite_boost.config import ConfigError
 
-    # Flux.2 packs its latents as (B, S, C) and attends text and image tokens jointly: no grid to read
-    model = lite_boost.boost(build("Flux2Transformer2DModel"), SPARSE)
-    with pytest.raises(ConfigError, match="Flux2Transformer2DModel.*latent token grid.*packed"):
-        model(**inputs("Flux2Transformer2DModel"))
+    # Chroma packs its latents as (B, S, C) and attends text and image tokens jointly: no grid to read
+    model = lite_boost.boost(build("ChromaTransformer2DModel"), SPARSE)
+    with pytest.raises(ConfigError, match="ChromaTransformer2DModel.*latent token grid.*packed"):
+        model(**inputs("ChromaTransformer2DModel"))
     # a cache that skips single attention layers would shift the grid calls' order: refused before any change
     other = build(GEN)
     with pytest.raises(ConfigError, match="pyramid_attention_broadcast.*sparse"):

@@ -1,6 +1,6 @@
 """Sequence parallelism on the generic path: a diffusers ``_cp_plan`` executed with lite_boost's Ulysses / Ring.
 
-Parity: tiny ChronoEdit (its family unregistered in the ranks) and Flux.2 transformers (generic path, diffusers'
+Parity: tiny ChronoEdit and Flux.2 (their families unregistered in the ranks) transformers (generic path, diffusers'
 own ``_cp_plan``) under ``ParallelManager`` at 2 and 3 gloo ranks, token counts that do not divide the world size (35 video tokens;
 17 image + 7 text tokens, split separately and concatenated by the processor), 2 or 3 heads (fewer heads
 than ranks at 3), against the stock model's one-process output; one spawn per world size runs every case.

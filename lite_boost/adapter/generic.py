@@ -481,6 +481,12 @@ class GenericAttention:
         _AttentionBackendRegistry._supports_context_parallel.discard(self.name.value)
         self.name = None
 
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            f"copy.deepcopy of a {self.model_class} boosted on lite_boost's generic path is not supported: its "
+            "attention is a diffusers attention backend registered for that one model instance, which a copy "
+            "would share. Copy the model before boosting and boost the copy, or unboost, copy, and boost both")
+
     def __repr__(self) -> str:
         return f"GenericAttention({self.model_class}, {self.name and self.name.value}, self={self.self_attn_fn!r})"
 

@@ -10,19 +10,23 @@
   cached fp32 tables from :attr:`BoostState.rope_cache`).
 * :data:`SEA_CACHE_WHY_NOT`, :func:`separate_passes_why_not`: the reasons a step-cache method does
   not fit a family, worded once.
+* :func:`tensor_keys`, :func:`raster_grid`: cache keys for the caller's position-id tensors (identity and
+  version, never their values) and the (images, h, w) grid those ids describe (eager code only), for the
+  families whose RoPE module and token grid only see position ids (Flux, Flux.2).
 
 Shape arithmetic only, no torch.distributed, nothing of any one family: every function here runs
-in traced code as it is.
+in traced code as it is, except :func:`raster_grid` and :class:`TensorKeys` (eager only: they read ids).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
 __all__ = ["call_arg", "packed_output_shape", "patch_size", "patch_grid", "video_token_grid", "norm_qk", "CachedRope",
-           "SEA_CACHE_WHY_NOT", "separate_passes_why_not"]
+           "SEA_CACHE_WHY_NOT", "separate_passes_why_not", "TensorKeys", "tensor_keys", "raster_grid"]
 
 
 # ------------------------------------------------------------------------------------------- arguments
@@ -137,3 +141,65 @@ def separate_passes_why_not(caller: str) -> str:
     """Why a method that needs cond and uncond in one batch (FasterCache) does not fit ``caller``, which
     runs the two passes as separate transformer calls."""
     return f"it needs cond and uncond batched into one transformer call; {caller} calls them separately"
+
+
+# ------------------------------------------------------------------------------------- position-id tensors
+class TensorKeys:
+    """Hashable keys for the current contents of tensors, without reading them.
+
+    A tensor gets a serial number the first time it is seen (never reused, the entry goes with the
+    tensor) and its version counter, which any in-place change bumps. Inference tensors keep no
+    version counter: their key is their contents (a copy to the host).
+    """
+
+    def __init__(self):
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self._serials = WeakIdKeyDictionary()
+        self._next = itertools.count()
+
+    def __call__(self, t: torch.Tensor):
+        try:
+            version = t._version
+        except RuntimeError:
+            data = t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
+            return ("data", str(t.dtype), tuple(t.shape), data)
+        serial = self._serials.get(t)
+        if serial is None:
+            serial = self._serials[t] = next(self._next)
+        return (serial, version)
+
+
+def tensor_keys(state) -> TensorKeys:
+    """The boosted model's :class:`TensorKeys` (kept in ``state.extras``)."""
+    keys = state.extras.get("tensor_keys")
+    if keys is None:
+        keys = state.extras["tensor_keys"] = TensorKeys()
+    return keys
+
+
+def raster_grid(img_ids: torch.Tensor, columns: Sequence[int] = (0, 1, 2)):
+    """(images, h, w) when ``img_ids`` (N, axes) are rasters of equal-size images, else None.
+
+    ``columns``: the id axes holding (image, row, column) (Flux: (0, 1, 2) of 3; Flux.2: (0, 1, 2) of
+    (t, h, w, layer)); any other axis must be constant. Reads the ids: eager code only.
+    """
+    if img_ids.ndim != 2 or img_ids.shape[0] == 0 or img_ids.shape[1] <= max(columns):
+        return None
+    ids = img_ids.detach().to(torch.float64)
+    rest = [c for c in range(ids.shape[1]) if c not in columns]
+    if rest and not bool((ids[:, rest] == ids[:1, rest]).all()):
+        return None
+    ids = ids[:, list(columns)]
+    h, w = int(ids[:, 1].max().item()) + 1, int(ids[:, 2].max().item()) + 1
+    n = ids.shape[0]
+    if h < 1 or w < 1 or n % (h * w):
+        return None
+    f = n // (h * w)
+    frames = ids[:, 0].reshape(f, h * w)
+    rows = torch.arange(h, dtype=ids.dtype, device=ids.device).repeat_interleave(w).repeat(f)
+    cols = torch.arange(w, dtype=ids.dtype, device=ids.device).repeat(h * f)
+    if not (torch.equal(ids[:, 1], rows) and torch.equal(ids[:, 2], cols)
+            and bool((frames == frames[:, :1]).all())):
+        return None
+    return f, h, w

@@ -28,14 +28,13 @@ What varies for this family, as data (:data:`FLUX`) plus one processor shim and 
 
 from __future__ import annotations
 
-import itertools
 from typing import NamedTuple
 
 import torch
 
-from ..adapter import AttentionSite, BoostState, DenseAttention, LiteBoostProcessor, ModelFamily, RopeSource, rotate_qk
-from ..adapter.shims import (SEA_CACHE_WHY_NOT, CachedRope, call_arg, norm_qk, packed_output_shape,
-                             separate_passes_why_not)
+from ..adapter import AttentionSite, DenseAttention, LiteBoostProcessor, ModelFamily, RopeSource, rotate_qk
+from ..adapter.shims import (SEA_CACHE_WHY_NOT, CachedRope, call_arg, norm_qk, packed_output_shape, raster_grid,
+                             separate_passes_why_not, tensor_keys)
 from ..cache import CacheAdapter
 from ..ops.joint import JointTokens
 from ..ops.rope import RotaryEmbedding, phasors_from_cos_sin
@@ -141,42 +140,6 @@ def _split_tables(emb, text_len: int):
     return freqs[:text_len], freqs[text_len:]
 
 
-class _TensorKeys:
-    """Hashable keys for the current contents of tensors, without reading them.
-
-    A tensor gets a serial number the first time it is seen (never reused, the entry goes with the
-    tensor) and its version counter, which any in-place change bumps. Inference tensors keep no
-    version counter: their key is their contents (a copy to the host).
-    """
-
-    def __init__(self):
-        from torch.utils.weak import WeakIdKeyDictionary
-
-        self._serials = WeakIdKeyDictionary()
-        self._next = itertools.count()
-
-    def __call__(self, t: torch.Tensor):
-        try:
-            version = t._version
-        except RuntimeError:
-            data = t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
-            return ("data", str(t.dtype), tuple(t.shape), data)
-        serial = self._serials.get(t)
-        if serial is None:
-            serial = self._serials[t] = next(self._next)
-        return (serial, version)
-
-
-_KEYS = "flux_tensor_keys"
-
-
-def _tensor_keys(state: BoostState) -> _TensorKeys:
-    keys = state.extras.get(_KEYS)
-    if keys is None:
-        keys = state.extras[_KEYS] = _TensorKeys()
-    return keys
-
-
 class CachedFluxRope(CachedRope):
     """Replacement ``forward`` of a ``FluxPosEmbed``: cached phasors for (text rows, image rows of this rank).
 
@@ -204,7 +167,7 @@ class CachedFluxRope(CachedRope):
 
         if torch.compiler.is_compiling():
             return build()
-        keys = _tensor_keys(state)
+        keys = tensor_keys(state)
         return self.cached(("flux", keys(txt), keys(img), str(ids.device), start, stop), build)
 
 
@@ -216,25 +179,6 @@ def _is_flux_rope(rope) -> bool:
 
 # ----------------------------------------------------------------------------------------- token grid
 _GRIDS = "flux_grids"
-
-
-def _raster_grid(img_ids: torch.Tensor):
-    """(images, h, w) when ``img_ids`` are rasters of equal-size images (ids (image, row, column)), else None."""
-    if img_ids.ndim != 2 or img_ids.shape[1] != 3 or img_ids.shape[0] == 0:
-        return None
-    ids = img_ids.detach().to(torch.float64)
-    h, w = int(ids[:, 1].max().item()) + 1, int(ids[:, 2].max().item()) + 1
-    n = ids.shape[0]
-    if h < 1 or w < 1 or n % (h * w):
-        return None
-    f = n // (h * w)
-    frames = ids[:, 0].reshape(f, h * w)
-    rows = torch.arange(h, dtype=ids.dtype, device=ids.device).repeat_interleave(w).repeat(f)
-    cols = torch.arange(w, dtype=ids.dtype, device=ids.device).repeat(h * f)
-    if not (torch.equal(ids[:, 1], rows) and torch.equal(ids[:, 2], cols)
-            and bool((frames == frames[:, :1]).all())):
-        return None
-    return f, h, w
 
 
 def _token_grid(model, args, kwargs):
@@ -250,11 +194,11 @@ def _token_grid(model, args, kwargs):
     if not isinstance(img, torch.Tensor):
         return None
     memo = state.extras.setdefault(_GRIDS, {})
-    key = _tensor_keys(state)(img)
+    key = tensor_keys(state)(img)
     if key not in memo:
         if len(memo) >= 8:
             memo.pop(next(iter(memo)))
-        memo[key] = _raster_grid(img)
+        memo[key] = raster_grid(img)
     return memo[key]
 
 

@@ -172,6 +172,18 @@ class RopeCache:
         with self._lock:
             self._data.clear()
 
+    def __getstate__(self) -> dict:
+        # copies and pickles of a boosted model (copy.deepcopy, torch.save of the module) start with an empty
+        # cache and a lock of their own: a lock cannot be copied, and the tables rebuild on first use
+        state = dict(self.__dict__)
+        state["_data"], state["hits"], state["misses"] = OrderedDict(), 0, 0
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def __len__(self) -> int:
         return len(self._data)
 

@@ -12,7 +12,12 @@ follows the live tensors. Measured per rank: the resident-set growth from buildi
 the layout (weights), the peak of one call over the resident set before it (the kernel's high-water mark
 reset through /proc/self/clear_refs just before the call), the peak over the process's baseline (before
 the model), and the median call time over ``--calls`` calls after a warm-up. Predicted: lite_boost.memory's
-per-rank weights and activations for the same layout (from the unsharded module's counts).
+per-rank weights, FSDP gather working set (gloo's measured multiple) and activations for the same layout
+(from the unsharded module's counts), plus ``HOST_LIBRARIES_BYTES``: the process's baseline is read after
+``import torch``, so what it loads afterwards (diffusers, lite_boost, the operator library) is in every
+measured column.
+
+    python benchmarks/bench_memory.py --repredict     # the stored measurements against the current planner
 
 Results: benchmarks/results/memory.md and memory.json (with lscpu model, threads, load, date). The table
 then extrapolates, marked as such, to the full 40-block Wan2.1-14B (with its UMT5-XXL text encoder, 81 x
@@ -74,9 +79,7 @@ def worker(args) -> None:
     from diffusers import WanTransformer3DModel
 
     import lite_boost
-    from lite_boost.memory import Layout, ModelDims, estimate, token_count
-
-    world, fields, offload = LAYOUTS[args.layout]
+    world = LAYOUTS[args.layout][0]
     torch.manual_seed(0)
     with torch.device("meta"):
         model = WanTransformer3DModel(num_layers=args.blocks, **DIMS)
@@ -84,12 +87,9 @@ def worker(args) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02)
-    dims = ModelDims.from_module(model, dtype_bytes=2)
     frames, height, width = args.shape
-    tokens = token_count(dims, frames, height, width)
-    seq = world // fields.get("tp_degree", 1)
-    layout = Layout(tp=fields.get("tp_degree", 1), ulysses=seq, fsdp=fields.get("fsdp_degree", 1), offload=offload)
-    est = estimate(dims, layout, tokens)
+    pred = predict(args.layout, model, args.shape)
+    _, fields, offload = LAYOUTS[args.layout]
     config = {"parallel": {"timeout_s": 600, "vae_parallel": "off", **fields}}
     if offload:
         config["offload"] = True
@@ -118,12 +118,45 @@ def worker(args) -> None:
         call()
         times.append(time.perf_counter() - t0)
     peak = _status("VmHWM")
-    print(json.dumps({"rank": int(os.environ.get("RANK", 0)), "tokens": tokens, "weights_measured": built - base,
-                      "call_peak_measured": peak - before, "peak_over_baseline": peak - base,
-                      "weights_predicted": est.weights, "activations_predicted": est.activations,
-                      "total_predicted": est.total, "call_s": statistics.median(times)}), flush=True)
+    print(json.dumps({"rank": int(os.environ.get("RANK", 0)), "weights_measured": built - base,
+                      "call_peak_measured": peak - before, "peak_over_baseline": peak - base, **pred,
+                      "call_s": statistics.median(times)}), flush=True)
     if world > 1:
         torch.distributed.destroy_process_group()
+
+
+def predict(name: str, model, shape) -> dict:
+    """The planner's numbers for layout ``name`` of ``model`` (any device, meta included) at ``shape``."""
+    from lite_boost.memory import HOST_LIBRARIES_BYTES, Layout, ModelDims, estimate, token_count
+
+    world, fields, offload = LAYOUTS[name]
+    dims = ModelDims.from_module(model, dtype_bytes=2)
+    tokens = token_count(dims, *shape)
+    tp = fields.get("tp_degree", 1)
+    layout = Layout(tp=tp, ulysses=world // tp, fsdp=fields.get("fsdp_degree", 1), offload=offload)
+    est = estimate(dims, layout, tokens, backend="gloo")
+    return {"tokens": tokens, "weights_predicted": est.weights, "gather_predicted": est.gather,
+            "activations_predicted": est.activations, "total_predicted": est.total,
+            "host_libraries": HOST_LIBRARIES_BYTES}
+
+
+def repredict(args) -> None:
+    """Recompute the predicted fields of RESULTS/OUT.json with the current planner; the measurements stay."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    path = os.path.join(RESULTS, f"{args.out}.json")
+    with open(path) as fh:
+        old = json.load(fh)
+    args.blocks, args.shape, args.loads = old["blocks"], tuple(old["shape"]), old.get("loads", {})
+    with torch.device("meta"):
+        model = WanTransformer3DModel(num_layers=args.blocks, **old["dims"])
+    for name, rows in old["results"].items():
+        if not isinstance(rows, str):
+            pred = predict(name, model, args.shape)
+            for r in rows:
+                r.update(pred)
+    write(args, old["results"], old["load_before"], old["load_after"], date=old["date"], lscpu=old["lscpu"])
 
 
 def _free_port() -> int:
@@ -180,14 +213,16 @@ def extrapolate() -> list[str]:
         tokens = token_count(d, *shp)
         plan = plan_layouts(d, 8, tokens, mem, shape=shp)
         lines.append(f"\n**Extrapolated (planner only, not measured)**: {d.name}, 8 ranks, {shp[0]} x {shp[1]} x "
-                     f"{shp[2]} ({tokens} tokens), {mem} per device, bf16\n")
-        lines.append("| layout | weights GiB | text enc GiB | activations GiB | total GiB | fits | moved per call GiB |")
-        lines.append("|---|---|---|---|---|---|---|")
+                     f"{shp[2]} ({tokens} tokens), {mem} per device, bf16; FSDP gather as assumed for NCCL / HCCL "
+                     "(2 x (f - 1) / f blocks, not measured; gloo would hold 4 blocks)\n")
+        lines.append("| layout | weights GiB | text enc GiB | FSDP gather GiB | activations GiB | total GiB | fits | "
+                     "moved per call GiB |")
+        lines.append("|---|---|---|---|---|---|---|---|")
         for e in plan.rows:
             mark = " (recommended)" if e is plan.recommended else ""
             lines.append(f"| {e.layout.label()}{mark} | {e.weights / 2**30:.2f} | {e.text_encoder / 2**30:.2f} | "
-                         f"{e.activations / 2**30:.2f} | {e.total / 2**30:.2f} | {'yes' if e.fits else 'no'} | "
-                         f"{e.traffic / 2**30:.2f} |")
+                         f"{e.gather / 2**30:.2f} | {e.activations / 2**30:.2f} | {e.total / 2**30:.2f} | "
+                         f"{'yes' if e.fits else 'no'} | {e.traffic / 2**30:.2f} |")
     return lines
 
 
@@ -202,8 +237,14 @@ def main() -> None:
     ap.add_argument("--out", default="memory")
     ap.add_argument("--append", action="store_true",
                     help="add to the layouts already in RESULTS/OUT.json (one layout per run on a shared machine)")
+    ap.add_argument("--repredict", action="store_true",
+                    help="no run: the measurements in RESULTS/OUT.json against the current planner "
+                         "(rewrites it and the .md)")
     args = ap.parse_args()
     args.shape = tuple(int(x) for x in args.shape.split("x"))
+    if args.repredict:
+        repredict(args)
+        return
     if args.blocks < 2:  # the planner finds the blocks as a list of two or more
         ap.error(f"--blocks must be >= 2, got {args.blocks}")
     if args.worker:
@@ -232,8 +273,9 @@ def main() -> None:
     write(args, results, load0, os.getloadavg())
 
 
-def write(args, results, load0, load1, extrapolated=True) -> None:
-    record = {"lscpu": _lscpu(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+def write(args, results, load0, load1, extrapolated=True, date=None, lscpu=None) -> None:
+    record = {"lscpu": lscpu or _lscpu(),
+              "date": date or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "threads_per_rank": 1, "dtype": "bfloat16", "blocks": args.blocks, "shape": args.shape,
               "dims": DIMS, "load_before": load0, "load_after": load1, "loads": getattr(args, "loads", {}),
               "results": results}
@@ -250,12 +292,12 @@ def write(args, results, load0, load1, extrapolated=True) -> None:
              f", model {cpu.get('Model', '?')}), {record['date']}; load average {load0[0]:.1f} before, {load1[0]:.1f} "
              "after (a shared machine: the times are indicative). MiB per rank (rank 0; the max over ranks in "
              "brackets when they differ by more than 1 MiB).\n",
-             "| layout | ranks | weights measured | weights predicted | call peak measured | activations predicted "
-             "| peak over baseline | predicted total | call s | load |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| layout | ranks | at rest measured | at rest predicted | call peak measured | gather + activations "
+             "predicted | peak over baseline | peak predicted | peak error | call s | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, rows in results.items():
         if isinstance(rows, str):
-            lines.append(f"| {name} | {LAYOUTS[name][0]} | not run: {rows} | | | | | | | |")
+            lines.append(f"| {name} | {LAYOUTS[name][0]} | not run: {rows} | | | | | | | | |")
             continue
         r0 = rows[0]
 
@@ -263,14 +305,22 @@ def write(args, results, load0, load1, extrapolated=True) -> None:
             top = max(r[key] for r in rows)
             return mib(r0[key]) + (f" ({mib(top)})" if top - r0[key] > 2**20 else "")
 
-        lines.append(f"| {name} | {len(rows)} | {cell('weights_measured')} | {mib(r0['weights_predicted'])} | "
-                     f"{cell('call_peak_measured')} | {mib(r0['activations_predicted'])} | {cell('peak_over_baseline')} | "
-                     f"{mib(r0['total_predicted'])} | {statistics.median(r['call_s'] for r in rows):.2f} | "
+        host = r0.get("host_libraries", 0)
+        peak_pred = r0["total_predicted"] + host
+        err = max((peak_pred - r["peak_over_baseline"]) / r["peak_over_baseline"] for r in rows)
+        lines.append(f"| {name} | {len(rows)} | {cell('weights_measured')} | {mib(r0['weights_predicted'] + host)} | "
+                     f"{cell('call_peak_measured')} | {mib(r0.get('gather_predicted', 0) + r0['activations_predicted'])} "
+                     f"| {cell('peak_over_baseline')} | {mib(peak_pred)} | {err:+.1%} | "
+                     f"{statistics.median(r['call_s'] for r in rows):.2f} | "
                      f"{'-'.join(str(x) for x in record['loads'].get(name, []))} |")
-    lines.append("\nweights measured: resident-set growth from building the model and applying the layout (includes a "
-                 "constant of the process: the libraries it loads, 17 MiB on one machine and about 170 MiB on another); call peak: the high-water mark of a call over the resident "
-                 "set before it; peak over baseline: the high-water mark over the process before the model (weights, "
-                 "the call, and what the warm-up call leaves: RoPE tables, kernel and collective buffers); call s: the median "
+    lines.append("\nat rest measured: resident-set growth from building the model and applying the layout (it includes "
+                 "the libraries the process loads after its baseline: diffusers, lite_boost, the operator library); at "
+                 "rest predicted: the planner's weights + HOST_LIBRARIES_BYTES; call peak: the high-water mark of a call "
+                 "over the resident set before it; gather + activations predicted: FSDP's gather working set (gloo: 4 "
+                 "blocks) + the peak activations; peak over baseline: the high-water mark over the process before the "
+                 "model (weights, the call, and what the warm-up call leaves: RoPE tables, kernel and collective "
+                 "buffers); peak predicted: the planner's device total + HOST_LIBRARIES_BYTES; peak error: (predicted - "
+                 "measured) / measured, the worst rank; call s: the median "
                  "over ranks of each rank's median call; load: the 1-minute load average before and after the layout "
                  "ran (2 cores shared with other work: the times are noisy, the memory is not).")
     if extrapolated:

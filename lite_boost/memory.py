@@ -8,12 +8,19 @@ activations and attention working set, marks what fits a device's memory and rec
 
 The model (per rank, one transformer call, inference: no autograd state):
 
-* **weights** of the transformer: replicated = all of them; ``tp_degree`` t = the blocks' Linear layers / t
-  (attention heads and FFN columns / rows), the rest whole; ``fsdp_degree`` f = everything / f plus the
-  gathered block being computed and the next one prefetched (2 x block x (f - 1) / f); ``offload`` = what
-  lies outside the blocks plus two blocks (the running one and the one being uploaded).
+* **weights** of the transformer at rest: replicated = all of them; ``tp_degree`` t = the blocks' Linear
+  layers / t (attention heads and FFN columns / rows), the rest whole; ``fsdp_degree`` f = everything / f;
+  ``offload`` = what lies outside the blocks plus two blocks (the running one and the one being uploaded).
+* **FSDP gather working set** (``gather``, during a call only): the unsharded parameters a rank holds while
+  it computes one block and prefetches the next, :func:`fsdp_gather_blocks` x the largest block. The multiple
+  depends on the collective backend (:data:`FSDP_GATHER_BLOCKS`): on gloo, 4 whole blocks, measured
+  (``benchmarks/bench_memory.py``: each rank grows by 4.0 blocks during a call at fsdp 2 and at fsdp 4 alike:
+  the all-gather output, FSDP2's copy-in / copy-out buffers and gloo's own staging, for the running block
+  and the prefetched one); on NCCL / HCCL (and by default) 2 x (f - 1) / f blocks, the running and the
+  prefetched block less the rank's own shard: an assumption, not measured.
 * **text encoder** weights, resident while the transformer runs (they are not freed after encoding):
-  whole, / f under FSDP (``fsdp_text_encoder``) plus two gathered blocks, two blocks under offload.
+  whole, / f under FSDP (``fsdp_text_encoder``) plus its own gather working set (the same multiple of its
+  largest block, counted as if it overlapped the transformer's: conservative), two blocks under offload.
 * **activations** at the peak inside one block (tokens per rank S = tokens / (ulysses x ring)), the largest of
   the attention phase (residual + modulated input (2 x S x hidden) + q, k, v, output (4 x S x attention width
   / t) + the fp32 temporaries of the q / k RMS norms (S x width / t in fp32) + Ulysses' all_to_all receive
@@ -29,10 +36,18 @@ The model (per rank, one transformer call, inference: no autograd state):
 
 Layouts are ranked by the bytes each rank moves per transformer call (Ulysses all_to_all, Ring K / V,
 TP all-reduce, FSDP all-gather, host uploads of offloaded blocks weighted x4 for the slower host link);
-the recommendation is the fitting layout that moves least (then the smallest). The estimate leaves
+the recommendation is the fitting layout that moves least (then the smallest). The device total leaves
 out the VAE (its decode runs after the transformer, with its own parallel modes), the framework's own
-memory (CUDA / CANN context, allocator slack: ``headroom`` keeps 10% of the device free for them) and
+device memory (CUDA / CANN context, allocator slack: ``headroom`` keeps 10% of the device free for them) and
 temporary buffers of individual kernels.
+
+**Host memory of the runtime** (``Estimate.host``, not in the device total): every process holds the
+libraries it loads before any weight, :data:`HOST_RUNTIME_BYTES` = :data:`HOST_TORCH_BYTES` (the
+interpreter and ``import torch``) + :data:`HOST_LIBRARIES_BYTES` (diffusers, lite_boost and its operator
+library). On an accelerator this is host memory, so it is reported beside the device total and never
+compared with ``device_memory``; on the CPU, where host and device are the same memory, the measured
+resident set is device total + host constant (``benchmarks/bench_memory.py`` starts counting after
+``import torch``, so it compares against device total + :data:`HOST_LIBRARIES_BYTES`).
 """
 
 from __future__ import annotations
@@ -46,10 +61,45 @@ from .config import ConfigError, parse_bytes
 
 __all__ = ["ModelDims", "Layout", "Estimate", "MemoryPlan", "estimate", "candidate_layouts", "plan_layouts",
            "token_count", "format_plan", "meta_model", "dims_for_family", "dims_for_model_dir", "DTYPE_BYTES",
-           "HOST_LINK_FACTOR", "GiB", "DEFAULT_SHAPE"]
+           "HOST_LINK_FACTOR", "GiB", "MiB", "DEFAULT_SHAPE", "HOST_TORCH_BYTES", "HOST_LIBRARIES_BYTES",
+           "HOST_RUNTIME_BYTES", "FSDP_GATHER_BLOCKS", "fsdp_gather_blocks"]
 
 GiB = 1024 ** 3
+MiB = 1024 ** 2
 HOST_LINK_FACTOR = 4  # a byte uploaded from the host costs this many bytes moved between devices
+
+# Resident host memory of one process before any weight, measured on the CPU machine of the benchmarks
+# (Intel Xeon family 6 model 167, Linux x86-64, Python 3.11, torch 2.13 CPU build, diffusers, one thread,
+# MALLOC_MMAP_THRESHOLD_=65536; VmRSS read at each step, the same to 0.1 MiB on a rerun): the interpreter 11 MiB,
+# ``import torch`` 266 MiB more, ``import diffusers, lite_boost`` 166.5 MiB more, loading lite_boost's operator
+# library (``lite_boost.ops._ext.load()``) 3 MiB more. These differ by platform and build (a CUDA or NPU build of
+# torch maps more libraries, another allocator keeps more or less; 17 MiB was seen for the libraries on another
+# machine): treat them as an order of magnitude elsewhere. The accelerator's own context (CUDA / CANN) is device
+# memory and is not in them (``headroom`` covers it).
+HOST_TORCH_BYTES = 277 * MiB  # the interpreter + ``import torch``
+HOST_LIBRARIES_BYTES = 170 * MiB  # diffusers + lite_boost + the operator library, on top of torch
+HOST_RUNTIME_BYTES = HOST_TORCH_BYTES + HOST_LIBRARIES_BYTES
+
+# Unsharded blocks each rank holds at the peak of an FSDP call, per torch.distributed backend (whole blocks, any
+# fsdp degree). gloo: measured by benchmarks/bench_memory.py (Wan2.1-14B block dims, 670 MiB blocks in bf16): a
+# rank's resident set grows by 2691 MiB during a call at fsdp 2 and fsdp 4 alike, 4.0 blocks with the activations
+# (the all-gather output, FSDP2's copy-in / copy-out buffers, gloo's staging, for the running and the prefetched
+# block; 3.9 blocks without the call's 43-56 MiB of activations). A backend not listed (nccl, hccl: not
+# measured) gets 2 x (f - 1) / f blocks, see fsdp_gather_blocks.
+FSDP_GATHER_BLOCKS = {"gloo": 4.0}
+_BACKENDS = (None, "gloo", "nccl", "hccl")
+
+
+def fsdp_gather_blocks(fsdp: int, backend: str | None = None) -> float:
+    """How many unsharded blocks a rank holds at the peak of a call under ``fsdp``-way FSDP on ``backend``
+    (None = an accelerator's collective library, NCCL / HCCL). 0 without FSDP. gloo: 4, measured; NCCL / HCCL:
+    2 x (f - 1) / f (the running block and the prefetched one, less the rank's own shard), an assumption that
+    no measurement has checked."""
+    if backend not in _BACKENDS:
+        raise ConfigError(f"backend must be one of {list(_BACKENDS)}, got {backend!r}")
+    if fsdp <= 1:
+        return 0.0
+    return FSDP_GATHER_BLOCKS.get(backend, 2 * (fsdp - 1) / fsdp)
 
 
 @dataclass(frozen=True)
@@ -192,7 +242,9 @@ class Layout:
 
 @dataclass(frozen=True)
 class Estimate:
-    """Per-rank bytes of one layout (see the module docstring for the model)."""
+    """Per-rank bytes of one layout (see the module docstring for the model). ``total``: the device memory of
+    one call's peak (weights at rest + text encoder + FSDP gather working set + activations); ``host``: the
+    runtime's host memory per process (:data:`HOST_RUNTIME_BYTES`), not in ``total``."""
 
     layout: Layout
     weights: int
@@ -201,32 +253,39 @@ class Estimate:
     attention: int
     traffic: int
     fits: bool | None = None
+    gather: int = 0
+    host: int = HOST_RUNTIME_BYTES
 
     @property
     def total(self) -> int:
-        return self.weights + self.text_encoder + self.activations
+        return self.weights + self.text_encoder + self.gather + self.activations
 
 
-def estimate(dims: ModelDims, layout: Layout, tokens: int, *, text_encoder: bool = True) -> Estimate:
-    """Per-rank weights, text-encoder weights, peak activations, attention working set and traffic."""
+def estimate(dims: ModelDims, layout: Layout, tokens: int, *, text_encoder: bool = True,
+             backend: str | None = None) -> Estimate:
+    """Per-rank weights, text-encoder weights, FSDP gather working set, peak activations, attention working set
+    and traffic. ``backend``: the torch.distributed backend, for the FSDP gather multiple
+    (:func:`fsdp_gather_blocks`; None = NCCL / HCCL)."""
     b = dims.dtype_bytes
     t, f, L = layout.tp, layout.fsdp, dims.layers
     blocks, other, block = dims.blocks_params, dims.other_params, dims.block_params
+    gathered = fsdp_gather_blocks(f, backend)
     if layout.offload:
         weights = other + 2 * block
     elif t > 1:
         weights = blocks - dims.blocks_linear_params + dims.blocks_linear_params / t + other
     elif f > 1:
-        weights = (blocks + other) / f + 2 * block * (f - 1) / f
+        weights = (blocks + other) / f
     else:
         weights = blocks + other
+    gather = gathered * block
     te = 0.0
     if text_encoder and dims.text_encoder_params:
         te_all, te_block = dims.text_encoder_params, dims.text_encoder_block_params
         if layout.offload:
             te = te_all - dims.text_encoder_blocks_params + 2 * te_block
         elif f > 1:
-            te = te_all / f + 2 * te_block * (f - 1) / f
+            te = te_all / f + gathered * te_block
         else:
             te = te_all
     batch = 2 if dims.cfg_batched and layout.cfg == 1 else 1
@@ -259,7 +318,8 @@ def estimate(dims: ModelDims, layout: Layout, tokens: int, *, text_encoder: bool
         traffic += (blocks + other) * (f - 1) / f
     if layout.offload:
         traffic += blocks * HOST_LINK_FACTOR
-    return Estimate(layout, int(weights * b), int(te * b), int(activations * b), int(attention * b), int(traffic * b))
+    return Estimate(layout, int(weights * b), int(te * b), int(activations * b), int(attention * b), int(traffic * b),
+                    gather=int(gather * b))
 
 
 def _divisors(n: int) -> list[int]:
@@ -303,6 +363,7 @@ class MemoryPlan:
     recommended: Estimate | None
     shape: tuple[int, int, int] | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    backend: str | None = None
 
     @property
     def budget(self) -> float | None:
@@ -311,14 +372,17 @@ class MemoryPlan:
 
 def plan_layouts(dims: ModelDims, world: int, tokens: int, device_memory: int | str | None, *,
                  headroom: float = 0.1, text_encoder: bool = True, available: dict | None = None,
-                 shape: tuple[int, int, int] | None = None, **switches) -> MemoryPlan:
+                 shape: tuple[int, int, int] | None = None, backend: str | None = None,
+                 **switches) -> MemoryPlan:
     """Estimate every candidate layout (:func:`candidate_layouts`) and recommend the fitting one that moves
     least. ``available``: feature -> bool for what this installation can apply (``tp``, ``fsdp``, ``cfg``,
-    ``offload``): the others are listed but not recommended."""
+    ``offload``): the others are listed but not recommended. ``backend``: the torch.distributed backend
+    (None = NCCL / HCCL), for the FSDP gather working set."""
     mem = parse_bytes(device_memory, "device_memory") if device_memory is not None else None
+    fsdp_gather_blocks(1, backend)  # checks the name before anything is estimated
     rows = []
     for layout in candidate_layouts(dims, world, **switches):
-        e = estimate(dims, layout, tokens, text_encoder=text_encoder)
+        e = estimate(dims, layout, tokens, text_encoder=text_encoder, backend=backend)
         rows.append(replace(e, fits=None if mem is None else e.total <= mem * (1 - headroom)))
     rows.sort(key=lambda e: (e.traffic, e.total))
     avail = available or {}
@@ -331,11 +395,18 @@ def plan_layouts(dims: ModelDims, world: int, tokens: int, device_memory: int | 
     fitting = [e for e in rows if e.fits and usable(e)]
     notes = tuple(f"{k} is not available here: its layouts are listed, not recommended"
                   for k, v in avail.items() if not v)
-    return MemoryPlan(dims, world, tokens, mem, headroom, tuple(rows), fitting[0] if fitting else None, shape, notes)
+    return MemoryPlan(dims, world, tokens, mem, headroom, tuple(rows), fitting[0] if fitting else None, shape, notes,
+                      backend)
 
 
 def _gib(n: float) -> str:
     return f"{n / GiB:.2f}"
+
+
+def _gather_note(backend: str | None) -> str:
+    if backend in FSDP_GATHER_BLOCKS:
+        return f"{FSDP_GATHER_BLOCKS[backend]:g} whole blocks on {backend}, measured"
+    return f"2 x (f - 1) / f blocks on {backend or 'NCCL / HCCL'}, assumed, not measured"
 
 
 def format_plan(plan: MemoryPlan) -> str:
@@ -350,20 +421,24 @@ def format_plan(plan: MemoryPlan) -> str:
               f"{plan.headroom:.0%} kept free)" if plan.device_memory else "no device memory given")
     lines.append(f"{plan.world} rank(s), {shape}{plan.tokens} tokens; {budget}")
     lines.append("")
-    head = (f"{'layout':<34} {'weights':>8} {'text enc':>8} {'activ.':>8} {'attn ws':>8} {'total':>8} "
+    head = (f"{'layout':<34} {'weights':>8} {'text enc':>8} {'gather':>8} {'activ.':>8} {'attn ws':>8} {'total':>8} "
             f"{'fits':>5} {'moved/call':>10}")
     lines += [head, "-" * len(head)]
     for e in plan.rows:
         fits = "-" if e.fits is None else ("yes" if e.fits else "no")
         mark = "  <- recommended" if e is plan.recommended else ""
-        lines.append(f"{e.layout.label():<34} {_gib(e.weights):>8} {_gib(e.text_encoder):>8} "
+        lines.append(f"{e.layout.label():<34} {_gib(e.weights):>8} {_gib(e.text_encoder):>8} {_gib(e.gather):>8} "
                      f"{_gib(e.activations):>8} {_gib(e.attention):>8} {_gib(e.total):>8} {fits:>5} "
                      f"{_gib(e.traffic):>10}{mark}")
     lines.append("")
-    lines.append("GiB per rank. weights: the transformer's; text enc: the text encoder's, resident during denoising; "
-                 "activ.: peak inside one block of one transformer call; attn ws: q, k, v and output of the "
-                 "attention (part of activ.); moved/call: bytes each rank sends or uploads per transformer call "
-                 f"(host uploads x{HOST_LINK_FACTOR}). The VAE and the framework's own memory are not included.")
+    lines.append("GiB of device memory per rank. weights: the transformer's, at rest; text enc: the text encoder's, "
+                 "resident during denoising; gather: FSDP's unsharded blocks during a call "
+                 f"({_gather_note(plan.backend)}); activ.: peak inside one block of one transformer call; attn ws: "
+                 "q, k, v and output of the attention (part of activ.); moved/call: bytes each rank sends or uploads "
+                 f"per transformer call (host uploads x{HOST_LINK_FACTOR}). Not included: the VAE, the framework's "
+                 "device context and allocator slack (the headroom), and the host memory of each process's runtime "
+                 f"(Python, torch, diffusers, lite_boost: about {_gib(HOST_RUNTIME_BYTES)} GiB, measured on an "
+                 "x86-64 CPU build; it differs by platform).")
     if plan.recommended is not None:
         lines.append(f"recommended: {plan.recommended.layout.label()} ({_gib(plan.recommended.total)} GiB per rank)")
     elif plan.device_memory is not None:

@@ -213,6 +213,19 @@ def _device_memory(device) -> int | None:
         return None
 
 
+def _default_backend(device) -> str | None:
+    """The backend ParallelConfig(backend=None) picks for ``device`` (else the rank's default device)."""
+    import torch
+
+    from .parallel.groups import backend_for_device, default_device, read_torchrun_env
+
+    dev = torch.device(device) if device is not None else default_device(read_torchrun_env()[1])
+    try:
+        return backend_for_device(dev)
+    except ConfigError:  # a device type with no known backend: the planner's accelerator assumption
+        return None
+
+
 def memory_plan(target, config: BoostConfig | Mapping | Any, world_size: int, *, device=None, family=_LOOKUP):
     """The memory planner's :class:`~lite_boost.memory.MemoryPlan` for ``target`` on ``world_size`` ranks: the
     real module's parameter counts (every transformer of a pipeline, its text encoder), the shape of
@@ -249,7 +262,7 @@ def memory_plan(target, config: BoostConfig | Mapping | Any, world_size: int, *,
     available = {"tp": "tp_degree" in fields, "fsdp": "fsdp_degree" in fields,
                  "cfg": is_pipe and family.supports("cfg_parallel"), "offload": True}
     return plan_layouts(dims, world_size, token_count(dims, *shape), memory, shape=shape, available=available,
-                        ring=sequence_ok)
+                        ring=sequence_ok, backend=par.backend or _default_backend(device))
 
 
 def auto_layout(target, config: BoostConfig | Mapping | Any, world_size: int, *, device=None,

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from lite_boost.config import ConfigError, ParallelConfig, parse_bytes
-from lite_boost.memory import (GiB, Layout, ModelDims, candidate_layouts, dims_for_family, dims_for_model_dir,
-                               estimate, meta_model, plan_layouts, token_count)
+from lite_boost.memory import (FSDP_GATHER_BLOCKS, HOST_LIBRARIES_BYTES, HOST_RUNTIME_BYTES, GiB, Layout, ModelDims,
+                               candidate_layouts, dims_for_family, dims_for_model_dir, estimate, fsdp_gather_blocks,
+                               meta_model, plan_layouts, token_count)
 
 HERE = Path(__file__).resolve().parent
 
@@ -71,11 +72,47 @@ def test_estimates_follow_the_real_module():
     assert estimate(dims, Layout(), tokens).weights == total
     assert estimate(dims, Layout(offload=True), tokens).weights == outside + 2 * block
     assert estimate(dims, Layout(tp=2, ulysses=1), tokens).weights == total - linear // 2
-    assert estimate(dims, Layout(ulysses=4, fsdp=4), tokens).weights == total // 4 + 2 * block * 3 // 4
+    fsdp4 = estimate(dims, Layout(ulysses=4, fsdp=4), tokens)  # at rest: a quarter; during a call: gathered blocks
+    assert fsdp4.weights == total // 4 and fsdp4.gather == 2 * block * 3 // 4  # NCCL / HCCL: assumed
+    gloo = estimate(dims, Layout(ulysses=4, fsdp=4), tokens, backend="gloo")
+    assert gloo.gather == 4 * block and gloo.weights == fsdp4.weights  # gloo: 4 whole blocks, measured
+    assert gloo.total == gloo.weights + gloo.text_encoder + gloo.gather + gloo.activations
+    assert gloo.host == HOST_RUNTIME_BYTES  # the runtime's host memory: reported beside the device total, not in it
     # sequence ranks divide the activations; cfg on separate-call pipelines does not
     a1 = estimate(dims, Layout(), 4000).activations
     a4 = estimate(dims, Layout(ulysses=4), 4000).activations
     assert a4 < a1 / 2 and estimate(dims, Layout(cfg=2), 4000).activations == a1
+
+
+def test_fsdp_gather_multiple_per_backend():
+    assert fsdp_gather_blocks(1, "gloo") == 0 and fsdp_gather_blocks(1) == 0  # no FSDP, nothing gathered
+    assert fsdp_gather_blocks(2, "gloo") == fsdp_gather_blocks(4, "gloo") == FSDP_GATHER_BLOCKS["gloo"] == 4
+    assert fsdp_gather_blocks(2) == 1 and fsdp_gather_blocks(4, "nccl") == fsdp_gather_blocks(4, "hccl") == 1.5
+    with pytest.raises(ConfigError, match=r"backend must be one of \[None, 'gloo', 'nccl', 'hccl'\], got 'mpi'"):
+        plan_layouts(ModelDims("x", 2, 2, 8, 16, 16, 32, 10, 20, 15, 5), 2, 10, None, backend="mpi")
+
+
+def test_planner_against_the_recorded_gloo_measurements():
+    """benchmarks/results/memory.json: per-rank peaks measured on gloo processes (Wan2.1-14B block dims); the
+    planner's device total + the libraries loaded after the benchmark's baseline must be within 15% of each."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_memory", HERE.parent / "benchmarks" / "bench_memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rec = json.loads((HERE.parent / "benchmarks" / "results" / "memory.json").read_text())
+    with torch.device("meta"):
+        from diffusers import WanTransformer3DModel
+
+        model = WanTransformer3DModel(num_layers=rec["blocks"], **rec["dims"])
+    measured = {k: v for k, v in rec["results"].items() if not isinstance(v, str)}
+    assert {"replicated", "fsdp2", "fsdp4", "tp2", "ulysses4_fsdp2"} <= set(measured)
+    for name, rows in measured.items():
+        pred = bench.predict(name, model, tuple(rec["shape"]))
+        assert pred["host_libraries"] == HOST_LIBRARIES_BYTES
+        for r in rows:
+            peak = pred["total_predicted"] + HOST_LIBRARIES_BYTES
+            assert abs(peak - r["peak_over_baseline"]) <= 0.15 * r["peak_over_baseline"], (name, peak, r)
 
 
 def test_candidate_layouts_cover_the_world_and_respect_the_heads():
@@ -121,6 +158,7 @@ def test_cli_plan_reads_only_the_configs(tmp_path, capsys):
     got = dims_for_model_dir(tmp_path, 4)
     assert (got.params, got.text_encoder_params, got.layers) == (real.params, real.text_encoder_params, real.layers)
     assert "2 rank(s), 9 frames x 64 x 96, 72 tokens" in out and "<- recommended" in out
+    assert " gather " in out.splitlines()[3] and "host memory of each process's runtime" in out
     assert main(["plan", "--family", "wan", "--nproc", "1", "--device-memory", "24GiB"]) == 0
     out = capsys.readouterr().out
     assert "Wan2.1-T2V-14B: 40 blocks" in out and "recommended: offload" in out

@@ -143,7 +143,31 @@ def render_readme_matrix() -> str:
     for d in records:
         lines.append(f"| {d['family']} | " + " | ".join("yes" if d["features"][f] is None else "-"
                                                         for f in features) + " |")
+    generic = _generic_features()
+    n = len(generic)
+    cells = []
+    for f in features:
+        k = sum(feats[f] is None for feats in generic)
+        cells.append("yes" if k == n else "-" if k == 0 else f"{k} of {n}")
+    lines.append(f"| any other diffusers DiT (generic path, {n} classes) | " + " | ".join(cells) + " |")
     return "\n".join(lines + [README_END])
+
+
+def _generic_features() -> list[dict]:
+    """The features of every installed diffusers transformer class that takes the generic path."""
+    from lite_boost.adapter.generic import class_family, installed_transformer_classes
+    from lite_boost.registry import SUPPORTED_MODELS, UnsupportedModelError, load_builtin_adapters
+
+    load_builtin_adapters()
+    out = []
+    for name, cls in installed_transformer_classes().items():
+        if name in SUPPORTED_MODELS:
+            continue
+        try:
+            out.append(class_family(cls).features)
+        except UnsupportedModelError:
+            continue
+    return out
 
 
 def _with_readme_matrix(readme: str) -> str:

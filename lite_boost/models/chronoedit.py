@@ -18,13 +18,13 @@ import math
 
 import torch
 
-from ..adapter import AttentionSite, ModelFamily, RopeSource
+from ..adapter import ModelFamily, RopeSource
 from ..adapter.shims import patch_grid
 from ..ops.rope import RotaryEmbedding, phasors_from_complex, rope_tables
 from ..parallel.plan import CfgPlan, PipelinePlan
 from ..registry import register_family
 from .wan import (_ROPE_THETA, WAN, WAN_SHARDING_PLAN, WAN_TP_PLAN, CachedWanRope,
-                  LiteBoostWanAttnProcessor, _rope_matches_cache, _token_grid)
+                  _rope_matches_cache, _token_grid)
 
 __all__ = ["CHRONOEDIT", "CachedChronoEditRope"]
 
@@ -62,8 +62,7 @@ CHRONOEDIT = register_family(ModelFamily(
     name="chronoedit",
     transformers=("ChronoEditTransformer3DModel",),
     pipelines=("ChronoEditPipeline",),
-    attention=(AttentionSite("blocks.*.attn1", LiteBoostWanAttnProcessor, role="self"),
-               AttentionSite("blocks.*.attn2", LiteBoostWanAttnProcessor, role="cross")),
+    attention=WAN.attention,  # Wan's blocks, Wan's processor
     joint="cross",
     rope=RopeSource("rope", CachedChronoEditRope, matches=_rope_matches),
     token_grid=_token_grid,

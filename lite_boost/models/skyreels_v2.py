@@ -17,13 +17,13 @@ processor shim and cached RoPE apply as they are. What differs is data:
 
 from __future__ import annotations
 
-from ..adapter import AttentionSite, ModelFamily, RopeSource
+from ..adapter import ModelFamily, RopeSource
 from ..adapter.shims import SEA_CACHE_WHY_NOT, separate_passes_why_not
 from ..cache import CacheAdapter
 from ..config import ConfigError
 from ..parallel.plan import CfgPlan, GatherOutput, PipelinePlan, ShardingPlan, SplitInput, SplitOutput
 from ..registry import register_family
-from .wan import WAN, WAN_CACHE_ADAPTER, WAN_TP_PLAN, CachedWanRope, LiteBoostWanAttnProcessor, _rope_matches_cache, \
+from .wan import WAN, WAN_CACHE_ADAPTER, WAN_TP_PLAN, CachedWanRope, _rope_matches_cache, \
     _token_grid
 
 __all__ = ["SKYREELS_V2"]
@@ -65,8 +65,7 @@ SKYREELS_V2 = register_family(ModelFamily(
     name="skyreels-v2",
     transformers=("SkyReelsV2Transformer3DModel",),
     pipelines=PIPELINES,
-    attention=(AttentionSite("blocks.*.attn1", LiteBoostWanAttnProcessor, role="self"),
-               AttentionSite("blocks.*.attn2", LiteBoostWanAttnProcessor, role="cross")),
+    attention=WAN.attention,  # Wan's blocks, Wan's processor
     joint="cross",
     rope=RopeSource("rope", CachedWanRope, matches=_rope_matches_cache),
     token_grid=_token_grid,

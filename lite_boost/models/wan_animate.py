@@ -12,12 +12,12 @@ blanks the face video) and the Wan VAE's parallel decode / encode are.
 
 from __future__ import annotations
 
-from ..adapter import AttentionSite, ModelFamily, RopeSource
+from ..adapter import ModelFamily, RopeSource
 from ..adapter.shims import SEA_CACHE_WHY_NOT, separate_passes_why_not
 from ..cache import CacheAdapter
 from ..parallel.plan import CfgPlan, PipelinePlan
 from ..registry import register_family
-from .wan import WAN, WAN_CACHE_ADAPTER, CachedWanRope, LiteBoostWanAttnProcessor, _rope_matches_cache, _token_grid
+from .wan import WAN, WAN_CACHE_ADAPTER, CachedWanRope, _rope_matches_cache, _token_grid
 
 __all__ = ["WAN_ANIMATE"]
 
@@ -25,8 +25,7 @@ WAN_ANIMATE = register_family(ModelFamily(
     name="wan-animate",
     transformers=("WanAnimateTransformer3DModel",),
     pipelines=("WanAnimatePipeline",),
-    attention=(AttentionSite("blocks.*.attn1", LiteBoostWanAttnProcessor, role="self"),
-               AttentionSite("blocks.*.attn2", LiteBoostWanAttnProcessor, role="cross")),
+    attention=WAN.attention,  # Wan's blocks, Wan's processor
     joint="cross",
     rope=RopeSource("rope", CachedWanRope, matches=_rope_matches_cache),
     token_grid=_token_grid,

@@ -52,8 +52,7 @@ WAN_VACE = register_family(ModelFamily(
     name="wan-vace",
     transformers=("WanVACETransformer3DModel",),
     pipelines=("WanVACEPipeline",),
-    attention=(AttentionSite("blocks.*.attn1", LiteBoostWanAttnProcessor, role="self"),
-               AttentionSite("blocks.*.attn2", LiteBoostWanAttnProcessor, role="cross"),
+    attention=WAN.attention + (
                AttentionSite("vace_blocks.*.attn1", LiteBoostWanAttnProcessor, role="self", layer_offset=_layer_offset),
                AttentionSite("vace_blocks.*.attn2", LiteBoostWanAttnProcessor, role="cross",
                              layer_offset=_layer_offset)),

@@ -336,8 +336,8 @@ def generic_family(model) -> GenericFamily:
     }
     if splan is None:
         unsupported["sequence_parallel"] = f"{type(model).__name__} carries no _cp_plan (diffusers' context-parallel plan)"
-    elif plan_gap(model) is not None:
-        unsupported["sequence_parallel"] = plan_gap(model)
+    elif (gap := plan_gap(model)) is not None:
+        unsupported["sequence_parallel"] = gap
     if patch is None:
         unsupported["sparse"] = "no patch size in the model config: the latent token grid is unknown"
     patterns = repeated_block_patterns(model)
@@ -372,8 +372,8 @@ def class_family(cls: type, pipeline_class: str | None = None) -> GenericFamily:
     }
     if not cp_plan_of(cls):
         unsupported["sequence_parallel"] = f"{cls.__name__} carries no _cp_plan (diffusers' context-parallel plan)"
-    elif plan_gap(cls) is not None:
-        unsupported["sequence_parallel"] = plan_gap(cls)
+    elif (gap := plan_gap(cls)) is not None:
+        unsupported["sequence_parallel"] = gap
     if "patch_size" not in params:
         unsupported["sparse"] = "no patch size in the model config: the latent token grid is unknown"
     if not getattr(cls, "_repeated_blocks", None):

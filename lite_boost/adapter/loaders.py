@@ -29,6 +29,7 @@ classes are untouched.
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable
 
 from ..errors import LoaderError
 
@@ -104,19 +105,12 @@ def _call(model, name, prior, args, kwargs):
     return getattr(type(model), name)(model, *args, **kwargs)
 
 
-def _fuse_lora(model, prior, *args, **kwargs):
-    _check_fuse(model, "fuse_lora")
-    return _call(model, "fuse_lora", prior, args, kwargs)
-
-
-def _unfuse_lora(model, prior, *args, **kwargs):
-    _check_fuse(model, "unfuse_lora")
-    return _call(model, "unfuse_lora", prior, args, kwargs)
-
-
-def _load_lora_adapter(model, prior, *args, **kwargs):
-    _check_sharded(model, "load_lora_adapter")
-    return _call(model, "load_lora_adapter", prior, args, kwargs)
+def _guarded(method: str, check: Callable[[Any, str], None], what: str | None = None):
+    """The guard of ``method``: ``check(model, what)`` (raises before anything changes), then the method."""
+    def guard(model, prior, *args, **kwargs):
+        check(model, what or method)
+        return _call(model, method, prior, args, kwargs)
+    return guard
 
 
 def _set_attn_processor(model, prior, *args, **kwargs):
@@ -139,25 +133,12 @@ def _check_backend_switch(model, what: str) -> None:
             "diffusers' backends")
 
 
-def _set_attention_backend(model, prior, *args, **kwargs):
-    _check_backend_switch(model, "set_attention_backend")
-    return _call(model, "set_attention_backend", prior, args, kwargs)
-
-
-def _reset_attention_backend(model, prior, *args, **kwargs):
-    _check_backend_switch(model, "reset_attention_backend")
-    return _call(model, "reset_attention_backend", prior, args, kwargs)
-
-
-def _load_ip_adapter_weights(model, prior, *args, **kwargs):
-    _check_processor_swap(model, "load_ip_adapter")
-    return _call(model, "_load_ip_adapter_weights", prior, args, kwargs)
-
-
-_GUARDS = {"load_lora_adapter": _load_lora_adapter, "fuse_lora": _fuse_lora, "unfuse_lora": _unfuse_lora,
+_GUARDS = {"load_lora_adapter": _guarded("load_lora_adapter", _check_sharded),
+           "fuse_lora": _guarded("fuse_lora", _check_fuse), "unfuse_lora": _guarded("unfuse_lora", _check_fuse),
            "set_attn_processor": _set_attn_processor,
-           "set_attention_backend": _set_attention_backend, "reset_attention_backend": _reset_attention_backend,
-           "_load_ip_adapter_weights": _load_ip_adapter_weights}
+           "set_attention_backend": _guarded("set_attention_backend", _check_backend_switch),
+           "reset_attention_backend": _guarded("reset_attention_backend", _check_backend_switch),
+           "_load_ip_adapter_weights": _guarded("_load_ip_adapter_weights", _check_processor_swap, "load_ip_adapter")}
 
 
 def _install(obj, names, guards, store: dict) -> None:

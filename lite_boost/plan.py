@@ -371,11 +371,11 @@ def _resolve_sparse(draft: Draft):
     """Block-sparse attention under Ring needs a self-attention (cross text) family."""
     family, config = draft.family, draft.config
     sparse_on = config.sparse is not None and config.sparse.sparse_type is not None
-    if draft.ring_degree > 1 and sparse_on and family is not None and family.joint != "cross":
+    if draft.ring_degree > 1 and sparse_on and family is not None and family.joint not in ("cross", "packed"):
         raise ConfigError(
             f"sparse attention with ring_degree={draft.ring_degree} is not available for {family.name} (joint text + "
             "image attention; block-sparse Ring covers self-attention families: "
-            f"{[f.name for f in families() if f.joint == 'cross' and f.features.get('sparse') is None]}). Use "
+            f"{[f.name for f in families() if f.joint in ('cross', 'packed') and f.features.get('sparse') is None]}). Use "
             "ulysses_degree for the sequence ranks, or sparse without ring_degree"
         )
     return config.sparse if sparse_on else None

@@ -23,8 +23,10 @@ __all__ = ["AttentionSite", "RopeSource", "TinyPipeline", "ModelFamily", "FEATUR
 
 # How the text meets the image / video tokens:
 # "cross": separate cross-attention (Wan, LTX); "text_first": joint attention over [text, image]
-# (Qwen-Image, Flux, CogVideoX); "image_first": joint attention over [image, text] (HunyuanVideo).
-JOINT_LAYOUTS = ("cross", "text_first", "image_first")
+# (Qwen-Image, Flux, CogVideoX); "image_first": joint attention over [image, text] (HunyuanVideo);
+# "packed": the text rows (and any other stream) are rows of the one self-attention sequence the model
+# packs itself (MiniMax-H3): no joint stream, the sites are "self".
+JOINT_LAYOUTS = ("cross", "text_first", "image_first", "packed")
 
 # What a family's pipelines make (``ModelFamily.output``) and the kinds of run of each (text- or image-conditioned).
 OUTPUTS = ("image", "video")
@@ -185,7 +187,8 @@ class ModelFamily:
     rope: the RoPE module and its cached replacement, or None (the family has no RoPE module).
     token_grid: ``token_grid(model, args, kwargs) -> (t, h, w) | None``: the latent token grid of a
         transformer call (shape arithmetic only: it runs in traced code), for sparse windows;
-        None = the family has no block-sparse path.
+        None = the family has no block-sparse path. ``(t, h, w, lead)``: the grid is the tail of a
+        self-attention sequence behind ``lead`` other rows (a "packed" layout), kept dense both ways.
     timestep_module: child module whose first argument is the timestep (where the compiled graph
         advances the sparse step tracker); None = the step is tracked from the transformer call only.
     call_context: ``call_context(model, args, kwargs) -> object``: facts about one transformer call
@@ -257,9 +260,10 @@ class ModelFamily:
             raise ValueError(f"family {self.name!r}: attention must be one or more AttentionSite")
         if self.joint not in JOINT_LAYOUTS:
             raise ValueError(f"family {self.name!r}: joint must be one of {list(JOINT_LAYOUTS)}, got {self.joint!r}")
-        if (self.joint == "cross") == any(s.role == "joint" for s in self.attention):
+        separate = self.joint in ("cross", "packed")
+        if separate == any(s.role == "joint" for s in self.attention):
             raise ValueError(f"family {self.name!r}: joint={self.joint!r} needs "
-                             f"{'no' if self.joint == 'cross' else 'at least one'} attention site with role 'joint'")
+                             f"{'no' if separate else 'at least one'} attention site with role 'joint'")
         for what in ("call_context", "call_args"):
             fn = getattr(self, what)
             if fn is not None and not callable(fn):

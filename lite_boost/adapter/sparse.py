@@ -11,10 +11,13 @@ otherwise runs ``lite_boost.ops.sparse_attention``.
 Joint attention (``attn_fn(q, k, v, joint=JointTokens(...))``) runs as the reference does: the text
 tokens go in front of the image tokens (``txt_len``; attention does not depend on the key order, so
 this holds for [image, text] families too) and are kept dense in both directions; the image tokens
-get the block mask. Padded text (a key-padding mask, as HunyuanVideo's text padded to 256 tokens):
-when every sample of the batch pads the same tokens, the padded ones are left out of the sparse call
-(they are never attended as keys) and their query rows run dense against the real keys, as in dense
-attention; masks that differ within the batch run the call dense (the block-sparse kernel takes none).
+get the block mask. A family whose model packs its text (and other streams) into the self-attention
+sequence itself declares the grid as the sequence's tail: ``token_grid`` returns ``(t, h, w, lead)``
+and the ``lead`` rows in front run as that text does. Padded text (a key-padding mask, as
+HunyuanVideo's text padded to 256 tokens): when every sample of the batch pads the same tokens,
+the padded ones are left out of the sparse call (they are never attended as keys) and their query
+rows run dense against the real keys, as in dense attention; masks that differ within the batch
+run the call dense (the block-sparse kernel takes none).
 
 Under ``torch.compile`` all of that stays eager: the step tracking and each attention call are
 opaque custom ops of the graph (``torch.ops.lite_boost_graph.sparse_*``), so the schedule, the
@@ -73,6 +76,7 @@ class SparseState:
     timestep_index: int | None = None  # position of ``timestep`` in the model's forward signature
     tracker: StepTracker = field(default_factory=StepTracker)
     grid: tuple[int, int, int] | None = None
+    lead: int = 0  # rows in front of the grid in a packed self-attention sequence (kept dense)
     masks: dict = field(default_factory=dict)  # (layer, call) -> (step computed, BlockSelection)
     events: list = field(default_factory=list)  # SparseEvent of the current generation
     hook: object = None
@@ -81,9 +85,20 @@ class SparseState:
     handle: int = -1  # key of this state in _STATES (set by install_sparse)
     layers: dict = field(default_factory=dict)  # layer index -> ScheduledSparseAttention
 
+    def set_grid(self, grid) -> None:
+        """Record a family's token grid: (t, h, w), (t, h, w, lead) or None."""
+        grid = tuple(int(g) for g in grid) if grid else None
+        self.grid, self.lead = (grid[:3], grid[3]) if grid is not None and len(grid) == 4 else (grid, 0)
+
+    def grid_arg(self) -> list[int]:
+        """The grid as a graph op argument: [t, h, w] ([t, h, w, lead] with a lead), [] without one."""
+        if self.grid is None:
+            return []
+        return [*self.grid, self.lead] if self.lead else list(self.grid)
+
     def observe(self, grid, timestep) -> None:
         """Start of a transformer call: record the latent grid and advance the step tracker."""
-        self.grid = tuple(int(g) for g in grid) if grid else None
+        self.set_grid(grid)
         previous = self.tracker.generation
         self.tracker.observe(timestep if timestep is not None else 0)
         if self.tracker.generation != previous:
@@ -96,7 +111,7 @@ class SparseState:
             # Traced: only the grid (shape arithmetic, a constant of the graph) is recorded here; the
             # step tracker reads the timestep's value, so it runs in an opaque op on the timestep's
             # path into the timestep embedder (see timestep_pre_forward), ordered before every block.
-            self.grid = grid
+            self.set_grid(grid)
             return None
         timestep = call_arg(args, kwargs, "timestep", self.timestep_index)
         self.observe(grid, timestep)
@@ -109,7 +124,7 @@ class SparseState:
         timestep = args[0] if args else kwargs.get("timestep")
         if not isinstance(timestep, torch.Tensor):
             return None
-        timestep = torch.ops.lite_boost_graph.sparse_observe(timestep, self.handle, list(self.grid or ()))
+        timestep = torch.ops.lite_boost_graph.sparse_observe(timestep, self.handle, self.grid_arg())
         if args:
             return (timestep,) + tuple(args[1:]), kwargs
         return args, {**kwargs, "timestep": timestep}
@@ -149,7 +164,7 @@ class ScheduledSparseAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, joint: JointTokens | None = None):
         if torch.compiler.is_compiling():
-            grid = list(self.state.grid) if self.state.grid is not None else []
+            grid = self.state.grid_arg()
             if joint is None:
                 return torch.ops.lite_boost_graph.sparse_attention(q, k, v, self._key, grid)
             return tuple(torch.ops.lite_boost_graph.sparse_joint_attention(
@@ -171,10 +186,12 @@ class ScheduledSparseAttention:
         st, cfg = self.state, self.state.config
         tr = st.tracker
         why = st.schedule.dense_reason(tr.step, tr.total, self.layer_idx)
-        grid = st.grid
+        grid, lead = st.grid, st.lead
         n = q.shape[1] if ring is None else ring.seq_len  # the whole sequence's length
-        if why is None and (grid is None or math.prod(grid) != n or k.shape[1] != q.shape[1]):
-            why = f"sequence length {n} does not match the latent grid {grid}"
+        if why is None and (grid is None or math.prod(grid) + lead != n or k.shape[1] != q.shape[1]):
+            why = f"sequence length {n} does not match the latent grid {grid}" + (f" behind {lead} rows" if lead else "")
+        if why is None and lead and joint is not None:
+            why = "a packed sequence (rows in front of the grid) with a joint stream"
         padded = None  # (real, padded) text token indices when the padded ones are left out
         if why is None and joint is not None and joint.key_mask is not None:
             if bool(joint.key_mask.all()):  # nothing padded (a mask of ones): the same attention without it
@@ -185,7 +202,7 @@ class ScheduledSparseAttention:
                     why = "the text has a key-padding mask (the block-sparse kernel takes none)"
         if why is not None:
             return self._dense(q, k, v, joint, why, ring)
-        txt = 0
+        txt = lead  # packed rows in front of the grid: kept dense like text
         whole = joint
         if joint is not None:  # text in front, kept dense by sparse_attention (txt_len)
             joint.check(q, v)
@@ -308,7 +325,7 @@ def _layer(key: torch.Tensor, grid: list[int]) -> ScheduledSparseAttention:
     if fn is None:
         raise RuntimeError(f"lite_boost sparse attention: layer {layer} has no sparse attention function")
     if grid:
-        state.grid = tuple(grid)
+        state.set_grid(grid)
     return fn
 
 

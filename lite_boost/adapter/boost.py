@@ -69,15 +69,21 @@ class BoostState:
     # forward pre-hook registered before every other lite_boost hook, so it sees the caller's arguments.
     call: object = None
     hooks: list = field(default_factory=list)  # handles of the hooks boost_model registered itself
+    extra_ropes: list = field(default_factory=list)  # paths of the family's further RoPE modules given a forward
 
     @property
     def self_attention_processors(self) -> list[LiteBoostProcessor]:
         """Processors whose ``attn_fn`` sees the token sequence (roles "self" and "joint")."""
-        return [p for p in self.processors.values() if p.role != "cross"]
+        return [p for p in self.processors.values() if p.is_self_attention]
 
     @property
     def cross_attention_processors(self) -> list[LiteBoostProcessor]:
         return [p for p in self.processors.values() if p.role == "cross"]
+
+    @property
+    def split_kv_processors(self) -> list[LiteBoostProcessor]:
+        """Processors whose keys / values are the token sequence and whose queries are whole (role "split_kv")."""
+        return [p for p in self.processors.values() if p.role == "split_kv"]
 
     def serve_range(self, seq_len: int) -> tuple[int, int]:
         """The RoPE rows [start, stop) to serve for a sequence of ``seq_len`` tokens (this rank's slice)."""
@@ -132,12 +138,14 @@ def check_model(family, model) -> list:
             raise TypeError(f"{name} of {type(model).__name__} has a {type(proc).__name__} processor with weights of its "
                             f"own (an IP-Adapter?); lite_boost's {family.name} processors do not reproduce it: unload "
                             "it (e.g. pipe.unload_ip_adapter()) before boosting")
-    if family.rope is not None:
+    for source in (family.rope, *family.ropes):
+        if source is None:
+            continue
         try:
-            model.get_submodule(family.rope.module)
+            model.get_submodule(source.module)
         except AttributeError:
             raise TypeError(f"{type(model).__name__} does not look like a {family.name} transformer: no RoPE "
-                            f"module {family.rope.module!r}") from None
+                            f"module {source.module!r}") from None
     return sites
 
 
@@ -200,6 +208,11 @@ def boost_model(family, model, config: BoostConfig | None = None, onload_device=
         if family.rope.matches is None or family.rope.matches(rope):
             rope.forward = family.rope.forward(rope, state)
             state.rope_patched = True
+    for source in family.ropes:  # a model with several RoPE modules (LTX-2: video, audio, cross-attention)
+        rope = model.get_submodule(source.module)
+        if source.matches is None or source.matches(rope):
+            rope.forward = source.forward(rope, state)
+            state.extra_ropes.append(source.module)
     install_sparse(model, state)  # block-sparse self-attention when config.sparse asks for it
     if config.offload is not None:  # before the step cache: a skipped block is then not uploaded either
         offload_module(model, config.offload, onload_device)
@@ -226,6 +239,11 @@ def unboost_model(model):
         rope = model.get_submodule(family.rope.module)
         if "forward" in rope.__dict__:
             del rope.forward
+    for path in state.extra_ropes:
+        rope = model.get_submodule(path)
+        if "forward" in rope.__dict__:
+            del rope.forward
+    state.extra_ropes.clear()
     uninstall_sparse(model, state)
     uninstall_quant(model, state)
     if state.config.quant is not None:

@@ -185,6 +185,8 @@ class ModelFamily:
     attention: the attention sites and their processor shims.
     joint: how text meets the image tokens, one of :data:`JOINT_LAYOUTS`.
     rope: the RoPE module and its cached replacement, or None (the family has no RoPE module).
+    ropes: further RoPE modules of a model that has several (LTX-2: video, audio and the two cross-attention
+        RoPE modules), each replaced like ``rope``; empty for most families.
     token_grid: ``token_grid(model, args, kwargs) -> (t, h, w) | None``: the latent token grid of a
         transformer call (shape arithmetic only: it runs in traced code), for sparse windows;
         None = the family has no block-sparse path. ``(t, h, w, lead)``: the grid is the tail of a
@@ -232,6 +234,7 @@ class ModelFamily:
     pipelines: tuple[str, ...] = ()
     joint: str = "cross"
     rope: RopeSource | None = None
+    ropes: tuple[RopeSource, ...] = ()
     token_grid: Callable[..., Any] | None = None
     timestep_module: str | None = None
     call_context: Callable[..., Any] | None = None
@@ -251,13 +254,15 @@ class ModelFamily:
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"ModelFamily.name must be a non-empty str, got {self.name!r}")
-        for what in ("transformers", "pipelines", "attention", "quant_patterns"):
+        for what in ("transformers", "pipelines", "attention", "quant_patterns", "ropes"):
             object.__setattr__(self, what, tuple(getattr(self, what)))
         if not self.transformers or not all(isinstance(n, str) and n for n in (*self.transformers, *self.pipelines)):
             raise ValueError(f"family {self.name!r}: transformers / pipelines must be class names, got "
                              f"{self.transformers!r} / {self.pipelines!r}")
         if not self.attention or not all(isinstance(s, AttentionSite) for s in self.attention):
             raise ValueError(f"family {self.name!r}: attention must be one or more AttentionSite")
+        if not all(isinstance(r, RopeSource) for r in self.ropes):
+            raise ValueError(f"family {self.name!r}: ropes must be RopeSource records, got {self.ropes!r}")
         if self.joint not in JOINT_LAYOUTS:
             raise ValueError(f"family {self.name!r}: joint must be one of {list(JOINT_LAYOUTS)}, got {self.joint!r}")
         separate = self.joint in ("cross", "packed")
@@ -315,7 +320,7 @@ class ModelFamily:
     @property
     def features(self) -> dict[str, str | None]:
         """feature -> None when supported, else the reason it is not (every name of :data:`FEATURES`)."""
-        sequence_roles = any(s.role != "cross" for s in self.attention)
+        sequence_roles = any(s.role in ("self", "joint") for s in self.attention)
         derived = {
             "dense": None,
             "sparse": None if (self.token_grid is not None and sequence_roles) else "no latent token grid declared",

@@ -28,7 +28,10 @@ __all__ = ["ROLES", "DenseAttention", "LiteBoostProcessor", "rotate_qk"]
 # self: self-attention over the (shardable) token sequence; attn_fn is wrapped (sparse, Ulysses).
 # joint: the same, with a second (text) stream through ``joint=``.
 # cross: attention to a context that every rank holds whole (text, image embeddings); never wrapped.
-ROLES = ("self", "joint", "cross")
+# split_kv: attention from queries every rank holds whole to keys / values of the (shardable) token sequence
+#   (LTX-2's video-to-audio attention); under sequence parallelism its attn_fn attends this rank's keys and the
+#   partial results are merged over the group (lite_boost.parallel.split_kv); never sparse.
+ROLES = ("self", "joint", "cross", "split_kv")
 
 
 class DenseAttention:
@@ -67,7 +70,7 @@ class LiteBoostProcessor:
 
     Args:
         layer_idx: index of the block (the ``*`` of the attention site's path), for per-layer policies.
-        role: "self", "joint" or "cross" (see :data:`ROLES`).
+        role: "self", "joint", "cross" or "split_kv" (see :data:`ROLES`).
         backend: dense attention backend name or None (automatic).
 
     ``text_first`` (joint role) is set from the family's ``joint`` layout when the processor is installed.
@@ -89,7 +92,7 @@ class LiteBoostProcessor:
     @property
     def is_self_attention(self) -> bool:
         """True for the roles whose ``attn_fn`` sees the token sequence (self and joint)."""
-        return self.role != "cross"
+        return self.role in ("self", "joint")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(layer={self.layer_idx}, {self.role}, attn_fn={self.attn_fn!r})"

@@ -263,10 +263,29 @@ class _BatchedCfgForward:
                 kwargs[name] = self._half(kwargs[name], name)
             elif self.index.get(name, len(args)) < len(args):
                 args[self.index[name]] = self._half(args[self.index[name]], name)
-        local = _first_tensor(self.inner(*args, **kwargs)).contiguous()
+        out = self.inner(*args, **kwargs)
+        several = _tensor_fields(out)
+        if several is not None:  # e.g. LTX-2's (video, audio): every tensor gathered, the output type kept
+            return several(self._gather)
+        return _wrap_like(kwargs, self._gather(_first_tensor(out)))
+
+    def _gather(self, local: torch.Tensor) -> torch.Tensor:
+        local = local.contiguous()
         both = local.new_empty((self.mesh.cfg_degree,) + tuple(local.shape))
         self.mesh.cfg.all_gather_into(both, local.unsqueeze(0), op="cfg_exchange")
-        return _wrap_like(kwargs, both.flatten(0, 1))
+        return both.flatten(0, 1)
+
+
+def _tensor_fields(out):
+    """For an output of several tensors (a tuple, or a diffusers output with several tensor fields):
+    ``rebuild(fn)`` giving the same output type with ``fn`` applied to every tensor; else None."""
+    if isinstance(out, (tuple, list)) and len(out) > 1 and all(isinstance(t, torch.Tensor) for t in out):
+        return lambda fn: type(out)(fn(t) for t in out)
+    if hasattr(out, "to_tuple") and hasattr(out, "keys"):
+        fields = dict(out.items())
+        if sum(isinstance(v, torch.Tensor) for v in fields.values()) > 1:
+            return lambda fn: type(out)(**{k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in fields.items()})
+    return None
 
 
 def _patch_cache_context(model, cfg_forward):

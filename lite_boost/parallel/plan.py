@@ -11,7 +11,10 @@ Contract with the adapter (all names come from the plan):
   with a replaceable ``attn_fn(q, k, v)`` on (B, S, H, D) tensors (wrapped in
   :class:`~lite_boost.parallel.ulysses.UlyssesAttention`);
 * ``rope_range`` (optional): attribute of the state holding ``Callable[[seq_len], (start, stop)]``
-  that the adapter's position-embedding cache calls to serve only this rank's rows.
+  that the adapter's position-embedding cache calls to serve only this rank's rows;
+* ``split_kv_processors`` (optional): attribute of that state listing processors whose ``attn_fn(q, k, v)``
+  takes queries every rank holds whole and keys / values of the split sequence (wrapped in
+  :class:`~lite_boost.parallel.split_kv.SplitKeysAttention`: this rank's keys, merged over the group).
 
 Sequence layout: the sequence is padded at its end to a multiple of the degree and each rank holds
 ``ceil(S / P)`` consecutive tokens; :class:`~lite_boost.parallel.ulysses.SequenceShardInfo` carries
@@ -141,6 +144,7 @@ class ShardingPlan:
     rope_range: str | None = None
     rank_args: tuple[RankArg, ...] = ()
     text: str = "replicate"
+    split_kv_processors: str | None = None
 
     def __post_init__(self):
         if not self.split_inputs or not self.gather_outputs:
@@ -245,6 +249,9 @@ class SequenceParallelHooks:
         comm: Communicator of the sequence-parallel group.
         wrap_attention: ``(attn_fn, shard_info) -> wrapper`` for each self-attention ``attn_fn``
             (default: Ulysses over ``comm``; ``parallel.manager`` adds Ring / USP from the mesh).
+
+    The processors the plan's ``split_kv_processors`` lists (queries whole, keys / values split) get their
+    ``attn_fn`` wrapped in :class:`~lite_boost.parallel.split_kv.SplitKeysAttention` over ``comm``.
     """
 
     def __init__(self, model: torch.nn.Module, plan: ShardingPlan, comm: Communicator, wrap_attention=None):
@@ -286,6 +293,10 @@ class SequenceParallelHooks:
         if not procs or not all(hasattr(p, "attn_fn") for p in procs):
             raise PlanError(f"boost state of {type(self.model).__name__} has no processors with attn_fn in "
                             f"{plan.attention_processors!r}")
+        if plan.split_kv_processors is not None and not all(
+                hasattr(p, "attn_fn") for p in getattr(state, plan.split_kv_processors, None) or ()):
+            raise PlanError(f"boost state of {type(self.model).__name__} has processors without attn_fn in "
+                            f"{plan.split_kv_processors!r}")
         for s in (*plan.split_inputs, *plan.rank_args):
             for mod in self._modules(s.module):
                 if _arg_index(mod, s.arg) is None and not getattr(s, "optional", False):
@@ -405,6 +416,12 @@ class SequenceParallelHooks:
         for proc in getattr(self._state, plan.attention_processors):
             self._wrapped.append((proc, proc.attn_fn))
             proc.attn_fn = self.wrap_attention(proc.attn_fn, self.info)
+        if plan.split_kv_processors is not None:
+            from .split_kv import SplitKeysAttention
+
+            for proc in getattr(self._state, plan.split_kv_processors, None) or ():
+                self._wrapped.append((proc, proc.attn_fn))
+                proc.attn_fn = SplitKeysAttention(proc.attn_fn, self.comm, self.info)
         if plan.rope_range is not None and hasattr(self._state, plan.rope_range):
             self._old_rope_range = getattr(self._state, plan.rope_range)
             setattr(self._state, plan.rope_range, self._rope_range)

@@ -58,6 +58,13 @@ def make_case(seed, B, S, T, H, D, masked, first):
     return (q, k, v), JointTokens(jq, jk, jv, jmask, first)
 
 
+def keys_only(joint):
+    """The same joint stream attended as keys only (no joint queries): the main output is unchanged."""
+    from lite_boost.ops.joint import JointTokens
+
+    return JointTokens(joint.q[:, :0], joint.k, joint.v, joint.key_mask, joint.first)
+
+
 def joint_cases(rank, world_size, init_method):
     from lite_boost.config import ParallelConfig
     from lite_boost.ops.joint import joint_attention
@@ -92,6 +99,14 @@ def joint_cases(rank, world_size, init_method):
             # only the sharded image stream goes through the all_to_all: 3 tensors of s tokens per head sent away
             "a2a_sent": stats.bytes_sent.get("qkv_to_heads", 0),
             "a2a_expected": 3 * B * s * D * (H - heads[rank]) * es,
+            "joint_gather_calls": stats.calls.get("joint_heads", 0),
+        }
+        stats.reset()
+        local, joint_out = wrapper(ql, kl, vl, joint=keys_only(joint))
+        real = local[:, : mine.shape[1]]
+        out[name + ":keys_only"] = {
+            "image_err": (real.double() - mine).abs().max().item() if real.numel() else 0.0,
+            "joint_shape": tuple(joint_out.shape),
             "joint_gather_calls": stats.calls.get("joint_heads", 0),
         }
     return out

@@ -204,7 +204,7 @@ def counted_bytes(mesh, world):
 
 def joint_cases(mesh, world):
     """Joint text attention through Ring / USP vs one-process float64 attention over the concatenation."""
-    from _dist_joint_cases import JOINT_SHAPES, make_case
+    from _dist_joint_cases import JOINT_SHAPES, keys_only, make_case
     from _dist_joint_cases import reference as joint_reference
     from lite_boost.parallel import SequenceShardInfo
     from lite_boost.parallel.ring import sequence_parallel_attention
@@ -238,6 +238,10 @@ def joint_cases(mesh, world):
                      "joint_sum": joint_out.double().sum().item(),
                      "image_x_text_calls": calls["image_x_text"], "masked": masked,
                      "has_rows": seq.rank * info.shard_len < S}
+        only = keys_only(joint)  # keys only: the same image rows, no text rows, nothing gathered
+        local, joint_out = sequence_parallel_attention(_dense(), mesh.ulysses, mesh.ring, info)(ql, kl, vl, joint=only)
+        out[name + ":keys_only"] = {"image_err": (seq.gather(local, 1, S).double() - ref_out).abs().max().item(),
+                                    "joint_rows": joint_out.shape[1]}
     return out
 
 

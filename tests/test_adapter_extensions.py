@@ -153,3 +153,20 @@ def test_sparse_with_per_sample_padding_runs_dense_and_says_why():
     ref, ref_text = joint_attention(jc.sdpa_kernel, q, k, v, joint)
     assert state.events[-1].path == "dense" and "key-padding mask" in state.events[-1].reason
     assert (out - ref).abs().max() <= TOL and (text_out - ref_text).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_sparse_keys_only_joint_stream_matches_the_full_joint_image_rows(padded):
+    """Keys-only joint tokens (no joint queries): the image rows equal those of the full joint call, dense and
+    sparse, and no joint rows come back."""
+    (q, k, v), joint = _padded_case(1, [4] if padded else [6])
+    if not padded:
+        joint = joint._replace(key_mask=None)
+    only = jc.keys_only(joint)
+    for sparsity in (0.0, 0.75):
+        fn, state = _sparse(sparsity)
+        ref, _ = fn(q, k, v, joint=joint)
+        fn, state = _sparse(sparsity)
+        out, joint_out = fn(q, k, v, joint=only)
+        assert state.events[-1].path == ("sparse" if sparsity else state.events[-1].path)
+        assert joint_out.shape[1] == 0 and torch.equal(out, ref)

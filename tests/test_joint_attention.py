@@ -25,6 +25,22 @@ def test_joint_attention_matches_concatenated_reference(first, masked):
     assert (joint_out.double() - ref_joint).abs().max() < TOL
 
 
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("masked", [False, True])
+def test_keys_only_joint_stream_gives_the_main_output(first, masked):
+    """A joint stream without queries is attended as keys only: the main rows are those of the full joint
+    attention, and there are no joint rows."""
+    (q, k, v), joint = cases.make_case(5, 2, 9, 4, 3, 8, masked, first)
+    only = cases.keys_only(joint)
+    assert only.keys_only and not joint.keys_only
+    out, joint_out = joint_attention(cases.sdpa_kernel, q, k, v, only)
+    ref, _ = cases.reference(q, k, v, joint.q, joint.k, joint.v, joint.key_mask, first)
+    assert joint_out.shape == (2, 0, 3, 8)
+    assert (out.double() - ref).abs().max() < TOL
+    with pytest.raises(ValueError, match="keys only"):
+        JointTokens(joint.q[:, :2], joint.k, joint.v).check(q, v)
+
+
 def test_joint_attention_without_joint_is_plain_attention():
     (q, k, v), _ = cases.make_case(0, 1, 7, 2, 2, 8, False, True)
     assert torch.equal(joint_attention(cases.sdpa_kernel, q, k, v), cases.sdpa_kernel(q, k, v))
@@ -75,3 +91,14 @@ def test_ulysses_joint_attention_equals_one_process(dist_results, name):
         assert c["a2a_sent"] == c["a2a_expected"], (world, r, c)  # the text never enters the all_to_all
         assert c["joint_gather_calls"] == 1
     assert len({res[name]["joint_bytes"] for res in results}) == 1  # text output identical on every rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [c[0] for c in cases.JOINT_SHAPES])
+def test_ulysses_keys_only_joint_stream(dist_results, name):
+    """Keys-only joint tokens through Ulysses: the image rows equal one process, no joint rows, no gather."""
+    world, results = dist_results
+    for r, res in enumerate(results):
+        c = res[name + ":keys_only"]
+        assert c["image_err"] < TOL, (world, r, c)
+        assert c["joint_shape"][1] == 0 and c["joint_gather_calls"] == 0, (world, r, c)

@@ -328,6 +328,9 @@ def test_joint_text_attention_through_ring_and_usp(dist):
                 if not c["masked"] and c["has_rows"]:  # the text keys join once, never once per ring step
                     assert c["image_x_text_calls"] == 1, (world, kind, name, c)
             assert len({c["joint_sum"] for c in per_rank}) == 1  # the text output is the same on every rank
+            for r in results:  # keys-only joint tokens: the same image rows, no text rows
+                c = r[key]["_joint"][name + ":keys_only"]
+                assert c["image_err"] < TOL and c["joint_rows"] == 0, (world, kind, name, c)
 
 
 @WORLDS

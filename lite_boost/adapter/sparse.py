@@ -18,6 +18,8 @@ HunyuanVideo's text padded to 256 tokens): when every sample of the batch pads t
 the padded ones are left out of the sparse call (they are never attended as keys) and their query
 rows run dense against the real keys, as in dense attention; masks that differ within the batch
 run the call dense (the block-sparse kernel takes none).
+A keys-only joint stream (no joint queries, :attr:`~lite_boost.ops.joint.JointTokens.keys_only`) takes
+its keys as stand-in text queries, whose rows are dropped.
 
 Under ``torch.compile`` all of that stays eager: the step tracking and each attention call are
 opaque custom ops of the graph (``torch.ops.lite_boost_graph.sparse_*``), so the schedule, the
@@ -203,6 +205,9 @@ class ScheduledSparseAttention:
         if why is not None:
             return self._dense(q, k, v, joint, why, ring)
         txt = lead  # packed rows in front of the grid: kept dense like text
+        keys_only = joint is not None and joint.keys_only
+        if keys_only:  # the joint keys stand in as their own queries; those rows are dropped
+            joint = joint._replace(q=joint.k)
         whole = joint
         if joint is not None:  # text in front, kept dense by sparse_attention (txt_len)
             joint.check(q, v)
@@ -233,6 +238,8 @@ class ScheduledSparseAttention:
         self._record(stats.path, stats.reason, stats.reused, stats.effective_sparsity, stats.backend)
         if joint is None:
             return out
+        if keys_only:
+            return out[:, txt:], out[:, :0]
         if padded is None:
             return out[:, txt:], out[:, :txt]
         # padded text queries attend every real key (text and image), dense, as in dense attention

@@ -13,7 +13,10 @@ The attention-function protocol used by every processor, sparse path and sequenc
     attn_fn(q, k, v, joint=JointTokens(..)) -> (out, joint_out)
 
 ``q, k, v`` are the main (image / video) stream, ``joint`` the second stream with all of the heads
-``q`` has. ``joint_out`` is the attention output of the joint tokens, (B, T, H, D). Wrappers that
+``q`` has. ``joint_out`` is the attention output of the joint tokens, (B, T, H, D). A joint stream
+whose ``q`` has no rows (:attr:`JointTokens.keys_only`) is attended as keys only: its tokens have no
+queries in this call (a prefix whose own rows the processor attends elsewhere, as Qwen-Image 2.1's
+block-causal text) and ``joint_out`` has no rows either. Wrappers that
 change the head count (Ulysses) slice ``joint`` to their heads with :meth:`JointTokens.heads` and
 reassemble ``joint_out`` themselves, so an inner function always sees matching heads.
 
@@ -39,6 +42,9 @@ class JointTokens(NamedTuple):
         Padded joint tokens are never attended as keys; their query rows are still computed.
     first: True when the joint tokens precede the main stream in the joint sequence ([text, image]:
         Qwen-Image, Flux, CogVideoX), False when they follow it ([image, text]: HunyuanVideo).
+
+    ``q`` may have no rows (B, 0, H, D) while ``k`` / ``v`` have T: the joint tokens are then keys only
+    (:attr:`keys_only`), and the joint output is (B, 0, H, D).
     """
 
     q: torch.Tensor
@@ -49,7 +55,13 @@ class JointTokens(NamedTuple):
 
     @property
     def length(self) -> int:
+        """Rows of the joint queries (0 for a keys-only stream)."""
         return self.q.shape[1]
+
+    @property
+    def keys_only(self) -> bool:
+        """True when the joint tokens are attended as keys only (``q`` has no rows, ``k`` has some)."""
+        return self.q.shape[1] == 0 and self.k.shape[1] > 0
 
     def heads(self, start: int, stop: int) -> "JointTokens":
         """The same stream restricted to heads [start, stop) (views, no copy)."""
@@ -64,13 +76,14 @@ class JointTokens(NamedTuple):
                     f"joint.{name} must be (B, T, H, D) = ({ref.shape[0]}, T, {ref.shape[2]}, {ref.shape[3]}) like the "
                     f"main stream, got {tuple(x.shape)}"
                 )
-        if self.k.shape[1] != self.q.shape[1] or self.v.shape[1] != self.q.shape[1]:
-            raise ValueError(f"joint q, k, v need one length T, got {self.q.shape[1]}, {self.k.shape[1]}, "
-                             f"{self.v.shape[1]}")
+        t = self.k.shape[1]
+        if self.v.shape[1] != t or self.q.shape[1] not in (0, t):
+            raise ValueError(f"joint q, k, v need one length T (or q with no rows: keys only), got "
+                             f"{self.q.shape[1]}, {self.k.shape[1]}, {self.v.shape[1]}")
         m = self.key_mask
-        if m is not None and (m.dtype != torch.bool or tuple(m.shape) != (q.shape[0], self.q.shape[1])):
+        if m is not None and (m.dtype != torch.bool or tuple(m.shape) != (q.shape[0], t)):
             raise ValueError(f"joint.key_mask must be a bool tensor of shape (B, T) = ({q.shape[0]}, "
-                             f"{self.q.shape[1]}), got {m.dtype} {tuple(m.shape)}")
+                             f"{t}), got {m.dtype} {tuple(m.shape)}")
 
 
 def joint_key_mask(joint: JointTokens, main_len: int) -> torch.Tensor | None:
@@ -94,7 +107,8 @@ def concat_joint(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, joint: Joint
 
 
 def split_joint(out: torch.Tensor, joint: JointTokens, main_len: int):
-    """Inverse of :func:`concat_joint` on an output: ``(main_out, joint_out)``."""
+    """Inverse of :func:`concat_joint` on an output: ``(main_out, joint_out)`` (no joint rows when the
+    joint stream is keys only)."""
     t = joint.length
     if joint.first:
         return out[:, t:t + main_len], out[:, :t]

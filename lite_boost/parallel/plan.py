@@ -20,6 +20,9 @@ Sequence layout: the sequence is padded at its end to a multiple of the degree a
 ``ceil(S / P)`` consecutive tokens; :class:`~lite_boost.parallel.ulysses.SequenceShardInfo` carries
 the real length from the split hooks to the attention wrapper and the gather hook.
 
+A sequence may start with a head every rank holds whole (``SplitInput(tail=...)``,
+``GatherOutput(tail=True)``): only its last part, the sharded stream, is split and gathered.
+
 Module paths may contain ``*`` for a ``ModuleList`` index (``"transformer_blocks.*"``): the rule then
 applies at every matching module, for tensors a model passes unsharded to every block (Qwen-Image's
 per-token ``modulate_index``).
@@ -78,6 +81,11 @@ class SplitInput:
     this tensor's ``dim`` is the sequence (sets / checks the sequence length). ``broadcast``: a size-1
     ``dim`` broadcasts over the sequence and passes unsplit (one timestep per sample given as (B, 1),
     as LTXConditionPipeline does without a condition, next to (B, S) per-token timesteps).
+    ``tail``: ``tail(boost_state) -> int | None``: only the last ``tail`` entries of ``dim`` are the
+    sharded stream (split, and the sequence length when ``defines_length``); the entries before them
+    are a head every rank holds whole and keeps in front of its shard (Qwen-Image 2.1's text and
+    condition images ahead of the target image in one sequence). None (or a callable returning None):
+    the whole ``dim`` is split.
     """
 
     module: str
@@ -86,6 +94,7 @@ class SplitInput:
     ndim: int | None = None
     defines_length: bool = True
     broadcast: bool = False
+    tail: Callable[[object], int | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -126,10 +135,15 @@ class RankArg:
 
 @dataclass(frozen=True)
 class GatherOutput:
-    """All-gather the tensor output of ``module`` along ``dim`` and drop the padding."""
+    """All-gather the tensor output of ``module`` along ``dim`` and drop the padding.
+
+    ``tail``: only the last ``shard_len`` entries of ``dim`` are this rank's shard and are gathered;
+    the entries before them (a replicated head, see :attr:`SplitInput.tail`) stay in front unchanged.
+    """
 
     module: str
     dim: int
+    tail: bool = False
 
 
 @dataclass(frozen=True)
@@ -334,16 +348,29 @@ class SequenceParallelHooks:
 
         return pre_hook
 
+    def _split_tail(self, x: torch.Tensor, spec: SplitInput, tail: int | None) -> torch.Tensor:
+        """Split ``x``, or only its last ``tail`` entries of ``spec.dim`` (the head kept in front)."""
+        dim = spec.dim % x.ndim
+        if tail is None:
+            return self._split(x, dim, spec.defines_length)
+        if not 0 <= tail <= x.shape[dim]:
+            raise RuntimeError(f"split of {spec.arg!r} at {spec.module!r}: the sharded tail has {tail} entries, "
+                               f"the tensor {x.shape[dim]} along dim {dim}")
+        head = x.shape[dim] - tail
+        part = self._split(x.narrow(dim, head, tail), dim, spec.defines_length)
+        return torch.cat([x.narrow(dim, 0, head), part], dim=dim) if head else part
+
     def _make_split_input(self, spec: SplitInput, module: torch.nn.Module):
         def fits(x):
             return (isinstance(x, torch.Tensor) and (spec.ndim is None or x.ndim == spec.ndim)
                     and not (spec.broadcast and x.ndim and x.shape[spec.dim] == 1))
 
         def split(x):
+            tail = spec.tail(self._state) if spec.tail is not None else None
             if fits(x):
-                return self._split(x, spec.dim, spec.defines_length)
+                return self._split_tail(x, spec, tail)
             if type(x) in (tuple, list) and x and all(fits(t) for t in x):  # e.g. (cos, sin) passed in
-                return type(x)(self._split(t, spec.dim, spec.defines_length) for t in x)
+                return type(x)(self._split_tail(t, spec, tail) for t in x)
             return None
 
         return self._replace_arg(module, spec.arg, split)
@@ -383,7 +410,12 @@ class SequenceParallelHooks:
         def hook(mod, args, out):
             if not isinstance(out, torch.Tensor):
                 raise PlanError(f"gather output of {spec.module!r} expects a tensor, got {type(out).__name__}")
-            return self.comm.gather(out, spec.dim, self.info.seq_len)
+            if not spec.tail or self.info.shard_len is None:
+                return self.comm.gather(out, spec.dim, self.info.seq_len)
+            dim = spec.dim % out.ndim
+            head = out.shape[dim] - self.info.shard_len
+            gathered = self.comm.gather(out.narrow(dim, head, self.info.shard_len), dim, self.info.seq_len)
+            return torch.cat([out.narrow(dim, 0, head), gathered], dim=dim) if head else gathered
 
         return hook
 

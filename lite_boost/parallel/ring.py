@@ -35,7 +35,8 @@ stream replicated on every rank. The image queries attend to the text keys exact
 before the ring steps, never once per step) and to every image chunk; the text queries attend to the
 text keys and, on every rank, to its own image chunk only; these per-rank partials are all-gathered
 over the ring group and merged in rank order, so every rank ends with the same text output, equal to
-attention over all image keys. Padded text keys are left out by an exact masked partial.
+attention over all image keys (a keys-only joint stream has no text rows: nothing is gathered). Padded
+text keys are left out by an exact masked partial.
 
 Under ``torch.compile`` the dense ring traces: each rotation is a functional ``all_to_all_single``
 (rank i sends everything to rank i + 1, :meth:`Communicator.ring_shift_traced`), issued before the
@@ -300,7 +301,7 @@ class RingAttention:
         def step(j, kv):
             nonlocal text
             vk = _valid(seq_len, L, j)
-            if joint is not None and j == i:  # text queries x this rank's own image chunk
+            if joint is not None and j == i and not joint.keys_only:  # text queries x own image chunk
                 text = kernel(joint.q, kv[0][:, :vk], kv[1][:, :vk]) if vk > 0 else None
             if vk == 0 or vq == 0:  # nothing to attend: the chunk is still relayed
                 return
@@ -312,6 +313,8 @@ class RingAttention:
             out[:, :vq] = acc[0].to(q.dtype)
         if joint is None:
             return out
+        if joint.keys_only:  # no text rows (the same on every rank: no collective)
+            return out, joint.q.new_empty(joint.q.shape[:3] + (dv,))
         return out, self._joint_output(joint, kernel, text)
 
     def _joint_output(self, joint: JointTokens, kernel, text) -> torch.Tensor:

@@ -24,8 +24,9 @@ Joint attention (MMDiT blocks, :mod:`lite_boost.ops.joint`): ``wrapper(q, k, v, 
 takes the sharded image / video stream as ``q, k, v`` and the text stream, replicated on every rank,
 as ``joint``. Only the sharded stream goes through the all_to_all; each rank hands the inner function
 its own heads of the text (a slice, no communication), and the text output of every rank's heads is
-put back together with one all_gather over heads. Exchanging the replicated text as if it were
-sharded would place each text key P times in the joint sequence and bias the softmax by log P.
+put back together with one all_gather over heads (none for a keys-only joint stream). Exchanging the
+replicated text as if it were sharded would place each text key P times in the joint sequence and bias
+the softmax by log P.
 """
 
 from __future__ import annotations
@@ -146,6 +147,8 @@ class UlyssesAttention:
         out = comm.heads_to_seq(out.to(q.dtype), H, s)
         if joint is None:
             return out
+        if joint.keys_only:  # no joint rows to reassemble (the same on every rank: no collective)
+            return out, joint.q.new_empty(joint.q.shape[:3] + (joint.v.shape[-1],))
         # text rows of every rank's heads -> (B, T, H, D) on every rank (one all_gather over heads)
         joint_out = comm.all_gather_uneven(joint_out.to(joint.q.dtype).contiguous(), 2, sizes=heads,
                                            op="joint_heads")

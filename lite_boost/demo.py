@@ -20,7 +20,9 @@ __all__ = ["TinyWanSpec", "tiny_wan_transformer", "tiny_wan_pipeline", "DEMO_PRO
            "DEMO_SPEC", "DEMO_SHAPE", "DEMO_STEPS", "DEMO_SPARSITY", "DEMO_VAE_BASE_DIM", "TinyQwenImageSpec",
            "tiny_qwen_image_transformer", "tiny_qwen_image_pipeline", "qwen_prompt_embeds", "DEMO_QWEN_SPEC",
            "DEMO_QWEN_SHAPE", "DEMO_QWEN_STEPS", "DEMO_QWEN_TEXT_LEN", "qwen_demo_prompt_kwargs", "demo_wan_pipeline",
-           "describe_wan_demo", "demo_qwen_image_pipeline", "describe_qwen_image_demo", "qwen_demo_prompt"]
+           "describe_wan_demo", "demo_qwen_image_pipeline", "describe_qwen_image_demo", "qwen_demo_prompt",
+           "TinyLTX2Spec", "tiny_ltx2_transformer", "tiny_ltx2_pipeline", "ltx2_prompt_embeds", "demo_ltx2_pipeline",
+           "ltx2_demo_prompt", "describe_ltx2_demo"]
 
 DEMO_PROMPT = "a red fox runs through fresh snow at dawn"
 DEMO_NEGATIVE_PROMPT = "blurry low quality static"
@@ -344,3 +346,121 @@ def describe_flux2_demo(pipe, kw) -> str:
     return (f"  model: random weights; transformer {cfg.num_layers} + {cfg.num_single_layers} blocks x "
             f"{cfg.num_attention_heads} heads x {cfg.attention_head_dim}, {h} x {w} = {h * w:,} image tokens + "
             f"{DEMO_FLUX2_TEXT_LEN} text tokens (random prompt embeddings: no text encoder)")
+
+
+# ------------------------------------------------------------------------------------------------ LTX-2
+@dataclass(frozen=True)
+class TinyLTX2Spec:
+    """A tiny LTX-2 audio-video transformer: 4 video heads x 6 (inner 24), 2 audio heads x 8 (inner 16).
+
+    ``rope_type`` "split" (the released LTX-2 configs) or "interleaved" (diffusers' default).
+    """
+
+    heads: int = 4
+    head_dim: int = 6
+    audio_heads: int = 2
+    audio_head_dim: int = 8
+    layers: int = 2
+    rope_type: str = "split"
+    text_dim: int = 16  # the connectors' width (caption_channels)
+    text_layers: int = 2  # text encoder layers stacked in prompt_embeds (text_proj_in_factor)
+    gated: bool = False
+    perturbed: bool = False
+
+
+DEMO_LTX2_TEXT_LEN = 8
+
+
+def tiny_ltx2_transformer(spec: TinyLTX2Spec = TinyLTX2Spec(), seed: int = 0, dtype=torch.float32):
+    from diffusers import LTX2VideoTransformer3DModel
+
+    torch.manual_seed(seed)
+    audio_inner = spec.audio_heads * spec.audio_head_dim
+    model = LTX2VideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=spec.heads, attention_head_dim=spec.head_dim,
+        cross_attention_dim=spec.heads * spec.head_dim, audio_in_channels=4, audio_out_channels=4,
+        audio_num_attention_heads=spec.audio_heads, audio_attention_head_dim=spec.audio_head_dim,
+        audio_cross_attention_dim=audio_inner, num_layers=spec.layers, caption_channels=spec.text_dim,
+        rope_type=spec.rope_type, gated_attn=spec.gated, audio_gated_attn=spec.gated, perturbed_attn=spec.perturbed)
+    return (model if dtype == torch.float32 else model.to(dtype)).eval()
+
+
+def tiny_ltx2_pipeline(kind: str = "t2v", *, spec: TinyLTX2Spec | None = None, seed: int = 0, dtype=torch.float32):
+    """A tiny LTX-2 pipeline ("t2v": LTX2Pipeline, "i2v": LTX2ImageToVideoPipeline) without text encoder: a
+    video VAE with LTX-2's compression (32 x 32 x 8, 4 latent channels), an audio VAE (2 latent channels x 2 mel
+    bins = 4 audio channels, 25 latents per second), small text connectors and vocoder; random weights.
+    Called with ``prompt_embeds`` (B, T, text_dim x text_layers) and masks (:func:`ltx2_demo_prompt`)."""
+    import diffusers
+    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    pipelines = {"t2v": "LTX2Pipeline", "i2v": "LTX2ImageToVideoPipeline"}
+    if kind not in pipelines:
+        raise ValueError(f"kind must be one of {list(pipelines)}, got {kind!r}")
+    spec = spec or TinyLTX2Spec()
+    torch.manual_seed(seed)
+    vae = AutoencoderKLLTX2Video(
+        latent_channels=4, block_out_channels=(8,) * 4, decoder_block_out_channels=(8,) * 3,
+        layers_per_block=(1,) * 5, decoder_layers_per_block=(1,) * 4, decoder_inject_noise=(False,) * 4,
+        upsample_residual=(False,) * 3, upsample_factor=(1,) * 3, decoder_causal=False, spatial_compression_ratio=32,
+        temporal_compression_ratio=8).eval()
+    vae.use_framewise_encoding = vae.use_framewise_decoding = False
+    audio_vae = AutoencoderKLLTX2Audio(base_channels=4, ch_mult=(1,), num_res_blocks=1, resolution=32, latent_channels=2,
+                                       mel_bins=8).eval()
+    connectors = LTX2TextConnectors(
+        caption_channels=spec.text_dim, text_proj_in_factor=spec.text_layers, video_connector_num_attention_heads=2,
+        video_connector_attention_head_dim=spec.text_dim // 2, video_connector_num_layers=1,
+        video_connector_num_learnable_registers=None, audio_connector_num_attention_heads=2,
+        audio_connector_attention_head_dim=spec.text_dim // 2, audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=None, connector_rope_base_seq_len=32, rope_type=spec.rope_type).eval()
+    vocoder = LTX2Vocoder(in_channels=2 * 8, hidden_channels=8, upsample_kernel_sizes=[4], upsample_factors=[2],
+                          resnet_kernel_sizes=[3], resnet_dilations=[[1]], output_sampling_rate=16000).eval()
+    if dtype != torch.float32:
+        vae, audio_vae, connectors, vocoder = (m.to(dtype) for m in (vae, audio_vae, connectors, vocoder))
+    pipe = getattr(diffusers, pipelines[kind])(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, audio_vae=audio_vae, text_encoder=None, tokenizer=None,
+        connectors=connectors, transformer=tiny_ltx2_transformer(spec, seed + 1, dtype), vocoder=vocoder)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def ltx2_prompt_embeds(length: int, *, batch: int = 1, dim: int = 32, seed: int = 0, valid=None):
+    """(prompt_embeds, prompt_attention_mask) shaped as the Gemma encoder's stacked layers, left-padded
+    (``valid`` real tokens per sample, at the end)."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for b, n in enumerate(valid or ()):
+        mask[b, :length - n] = 0
+    return torch.randn(batch, length, dim, generator=g), mask
+
+
+def demo_ltx2_pipeline(kind: str, dtype=torch.float32):
+    """The tiny LTX-2 pipeline of ``lite-boost generate --family ltx2`` (:func:`tiny_ltx2_pipeline`)."""
+    return tiny_ltx2_pipeline(kind, dtype=dtype)
+
+
+def ltx2_demo_prompt(pipe, *, cfg: bool, seed: int) -> dict:
+    """Random Gemma-shaped prompt embeddings (+ the negative prompt's with ``cfg``) for an LTX-2 pipeline without
+    a text encoder, padded on the left as the pipeline's tokenizer pads."""
+    c = pipe.connectors.config
+    dim = c.caption_channels * c.text_proj_in_factor
+    pe, pm = ltx2_prompt_embeds(DEMO_LTX2_TEXT_LEN, dim=dim, seed=seed, valid=[DEMO_LTX2_TEXT_LEN - 2])
+    kw = {"prompt_embeds": pe, "prompt_attention_mask": pm}
+    if cfg:
+        ne, nm = ltx2_prompt_embeds(DEMO_LTX2_TEXT_LEN, dim=dim, seed=seed + 1, valid=[3])
+        kw.update(negative_prompt_embeds=ne, negative_prompt_attention_mask=nm)
+    return kw
+
+
+def describe_ltx2_demo(pipe, kw) -> str:
+    """What the built-in LTX-2 model is: random weights, its transformer, video and audio tokens."""
+    cfg = pipe.transformer.config
+    f = (kw["num_frames"] - 1) // pipe.vae_temporal_compression_ratio + 1
+    h, w = kw["height"] // pipe.vae_spatial_compression_ratio, kw["width"] // pipe.vae_spatial_compression_ratio
+    seconds = kw["num_frames"] / kw.get("frame_rate", 24.0)
+    audio = round(seconds * pipe.audio_sampling_rate / pipe.audio_hop_length / pipe.audio_vae_temporal_compression_ratio)
+    return (f"  model: random weights; transformer {cfg.num_layers} blocks, video {cfg.num_attention_heads} heads x "
+            f"{cfg.attention_head_dim}, audio {cfg.audio_num_attention_heads} x {cfg.audio_attention_head_dim}; "
+            f"{f} x {h} x {w} = {f * h * w:,} video tokens + {audio} audio tokens + {DEMO_LTX2_TEXT_LEN} text tokens "
+            "(random prompt embeddings: no text encoder)")

@@ -133,6 +133,13 @@ def _ltx():
     return Row("ltx", lambda dtype: tl.tiny_ltx_transformer(dtype=dtype), _floats(lambda: tl.transformer_inputs()))
 
 
+def _ltx2():
+    import _tiny_ltx2 as t
+
+    # audio + video: the row's output is the video; tests/test_ltx2.py checks the audio as well
+    return Row("ltx2", lambda dtype: t.tiny_ltx2_transformer(dtype=dtype), _floats(lambda: t.transformer_inputs()))
+
+
 def _cogvideox():
     import _tiny_cogvideox as T
 
@@ -186,6 +193,7 @@ ROWS = {
     "flux": _flux,
     "flux2": _flux2,
     "ltx": _ltx,
+    "ltx2": _ltx2,
     "cogvideox": _cogvideox,
     "hunyuan-video": _hunyuan_video,
     "hunyuan-video-1.5": _hunyuan_video_15,

@@ -71,12 +71,15 @@ def test_generic_records_say_which_classes_run_sequence_parallel():
 
 
 def test_plan_with_a_known_gap_is_refused_before_any_collective():
-    """LTX-2's own plan leaves the cross-attention RoPE unsplit: refused by the planner with that reason, nothing
-    changed; a plan the user puts on the instance is taken instead."""
+    """LTX-2's own plan leaves the cross-attention RoPE unsplit: the generic path, forced, refuses it with that
+    reason, nothing changed; a plan the user puts on the instance is taken instead. A plain ``ParallelManager``
+    takes the named ltx2 family, which splits both video RoPE tables (tests/test_parallel_ltx2.py)."""
     from lite_boost.adapter.generic import class_family, generic_family
     from lite_boost.api import is_boosted
+    from lite_boost.registry import family_of
 
     name = "LTX2VideoTransformer3DModel"
+    assert family_of(build(name)).name == "ltx2" and family_of(build(name)).supports("sequence_parallel")
     assert not class_family(model_class(name)).supports("sequence_parallel")
     from lite_boost.plan import make_plan
 

@@ -50,6 +50,8 @@ def run_file(path: str, mode: str, args) -> dict:
            f"--junitxml={xml}", os.path.relpath(path, args.tests_dir)]
     if args.lock:
         cmd = ["flock", args.lock] + cmd
+    if args.nice:
+        cmd = ["nice", "-n", str(args.nice)] + cmd
     t0 = time.monotonic()
     with open(log, "w") as f:
         rc = subprocess.call(cmd, cwd=args.tests_dir, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -110,8 +112,11 @@ def collect(args, files) -> dict:
             except (OSError, ValueError):
                 rep[mode] = {"paths": {}, "items": {}}
         items = {**rep["stock"]["items"], **rep["boosted"]["items"]}
+        # tests outside a tester class (module-level functions) belong to the file's one model class, if it has one
+        only = set(items.values())
+        default = only.pop() if len(only) == 1 else f"({name})"
         for nodeid in sorted(set(res["stock"]) | set(res["boosted"])):
-            cls = items.get(nodeid, f"({name})")
+            cls = items.get(nodeid, default)
             row = classes[cls]
             row["files"].add(os.path.basename(path))
             path_taken = rep["boosted"]["paths"].get(cls) or rep["stock"]["paths"].get(cls)
@@ -168,6 +173,7 @@ def main(argv=None) -> int:
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     p.add_argument("--timeout", type=int, default=1800, help="seconds per file and mode (default 1800)")
     p.add_argument("--lock", help="run each pytest under `flock LOCK` (a machine shared with other heavy jobs)")
+    p.add_argument("--nice", type=int, default=0, help="run pytest under `nice -n NICE` (a shared machine)")
     p.add_argument("--reuse", action="store_true", help="keep the results of files already run")
     p.add_argument("--report-only", action="store_true", help="run nothing; build the table from --out")
     p.add_argument("--rev", default="", help="diffusers revision the tests come from (goes into the table header)")

@@ -107,6 +107,43 @@ def test_reference_kv_caching_runs_diffusers_processors_on_one_process_and_is_re
             model(**x, **kw)
 
 
+def _kv_processors(model):
+    """What Flux2KleinKVPipeline._set_kv_attn_processors does: diffusers' KV processors, block by block."""
+    from diffusers.models.transformers.transformer_flux2 import (Flux2KVAttnProcessor,
+                                                                 Flux2KVParallelSelfAttnProcessor)
+
+    for block in model.transformer_blocks:
+        block.attn.set_processor(Flux2KVAttnProcessor())
+    for block in model.single_transformer_blocks:
+        block.attn.set_processor(Flux2KVParallelSelfAttnProcessor())
+
+
+@torch.no_grad()
+def test_per_block_processor_swap_is_refused_and_kv_modes_need_none():
+    """An attention site's own set_processor on a boosted model is refused before anything changes (diffusers'
+    KV processors would get lite_boost's cached RoPE form); the boosted model runs kv_cache_mode without the swap
+    (= stock with it); after unboost the swap is taken again."""
+    from lite_boost.errors import LoaderError
+
+    x = t2.transformer_inputs(SPEC, reference=(2, 3))
+    kw = dict(kv_cache_mode="extract", num_ref_tokens=6, ref_fixed_timestep=0.0, return_dict=False)
+    stock, model = t2.transformer(SPEC), lite_boost.boost(t2.transformer(SPEC))
+    _kv_processors(stock)
+    ref, ref_cache = stock(**x, **kw)
+    procs = [m.processor for m in model.modules() if hasattr(m, "set_processor")]
+    with pytest.raises(LoaderError, match=r"set_processor on 'transformer_blocks.0.attn': Flux2Transformer2DModel is "
+                                          r"boosted by lite_boost \(the flux2 family\).*lite_boost.unboost"):
+        _kv_processors(model)
+    assert [m.processor for m in model.modules() if hasattr(m, "set_processor")] == procs
+    got, cache = model(**x, **kw)
+    assert (got - ref).abs().max().item() <= TOL
+    assert torch.equal(cache.get_single(1).k_ref, ref_cache.get_single(1).k_ref)
+    lite_boost.unboost(model)
+    assert all("set_processor" not in m.__dict__ for m in model.modules())
+    _kv_processors(model)
+    assert (model(**x, **kw)[0] - ref).abs().max().item() <= TOL
+
+
 def test_sparsity_zero_equals_stock_and_sparse_uses_the_image_grid():
     pipe = t2.pipeline("klein")
     kw = dict(height=16, width=32)  # 8 x 16 = 128 image tokens, 32 blocks of 4

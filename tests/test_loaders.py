@@ -170,6 +170,26 @@ def test_family_processor_swap_and_backend_switch_are_refused():
     assert _diff(_run(pipe), base) <= TOL
 
 
+def test_processor_dict_of_the_wrong_length_is_a_value_error_as_on_stock():
+    """A bad argument is reported as such (ValueError naming both counts, as stock diffusers does), before the
+    refusal of the swap itself; nothing changes (diffusers' own attention tests check this on a boosted model)."""
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    stock, pipe = _wan().transformer, _wan()
+    lite_boost.boost(pipe)
+    model = pipe.transformer
+    layers = len(stock.attn_processors)
+    wrong = {next(iter(stock.attn_processors)): WanAttnProcessor()}
+    with pytest.raises(ValueError, match="number of processors"):
+        stock.set_attn_processor(wrong)
+    procs = dict(model.attn_processors)
+    with pytest.raises(ValueError, match=rf"number of processors in the dict \(1\) does not match the number of "
+                                         rf"attention layers of WanTransformer3DModel \({layers}\)") as err:
+        model.set_attn_processor(wrong)
+    assert not isinstance(err.value, LoaderError)
+    assert dict(model.attn_processors) == procs
+
+
 # ------------------------------------------------------------------------------------- Flux IP-Adapter
 @torch.no_grad()
 def test_flux_ip_adapter_on_boosted_pipeline_is_refused_before_anything_changes():

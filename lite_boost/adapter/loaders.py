@@ -12,7 +12,8 @@ naming the boost option and what to do:
   unboost, fuse, boost again. Unfused LoRA layers on quantized base layers run (full-precision LoRA
   branch over the quantized base).
 * a processor swap (``set_attn_processor``, ``set_default_attn_processor``, an IP-Adapter's
-  ``_load_ip_adapter_weights``) on a model boosted by a named family: its attention runs lite_boost's
+  ``_load_ip_adapter_weights``, an attention site's own ``set_processor``, as Flux2KleinKVPipeline does per
+  block) on a model boosted by a named family: its attention runs lite_boost's
   processor shims, which a swap would drop silently (and unboost would then drop the user's processors).
   On the generic path the swap is taken: the new processors go through lite_boost's attention backend
   as the old ones did (diffusers' processors keep doing the projections, norms and RoPE).
@@ -37,6 +38,7 @@ __all__ = ["AFTER_SWAP_KEY", "LoaderError", "install_loader_guards", "uninstall_
            "uninstall_pipeline_guards"]
 
 GUARDS_KEY = "loader_guards"
+SITE_GUARDS_KEY = "site_processor_guards"  # family attention sites: module name -> its set_processor guard
 AFTER_SWAP_KEY = "after_processor_swap"  # state.extras: fn(model, state) run after a processor swap was taken
 _PIPELINE_TRANSFORMERS = ("transformer", "transformer_2")
 _MODEL_METHODS = ("load_lora_adapter", "fuse_lora", "unfuse_lora", "set_attn_processor", "set_attention_backend",
@@ -113,7 +115,20 @@ def _guarded(method: str, check: Callable[[Any, str], None], what: str | None = 
     return guard
 
 
+def _check_processor_count(model, processor) -> None:
+    """A dict of processors must name every attention layer: the bad argument is reported before any refusal."""
+    if not isinstance(processor, dict):
+        return
+    layers = len(model.attn_processors)
+    if len(processor) != layers:
+        raise ValueError(f"set_attn_processor: the number of processors in the dict ({len(processor)}) does not match "
+                         f"the number of attention layers of {type(model).__name__} ({layers}); pass one processor "
+                         "per layer (the keys of model.attn_processors) or a single processor for all of them")
+
+
 def _set_attn_processor(model, prior, *args, **kwargs):
+    if args or "processor" in kwargs:
+        _check_processor_count(model, args[0] if args else kwargs["processor"])
     _check_processor_swap(model, "set_attn_processor")
     out = _call(model, "set_attn_processor", prior, args, kwargs)
     state = _state(model)
@@ -161,15 +176,34 @@ def _uninstall(obj, store: dict) -> None:
     store.clear()
 
 
+def _site_set_processor(model, name: str, *args, **kwargs):
+    """The guard of one family attention site's own ``set_processor`` (what Flux2KleinKVPipeline calls per block)."""
+    _check_processor_swap(model, f"set_processor on {name!r}")
+    module = model.get_submodule(name)
+    return type(module).set_processor(module, *args, **kwargs)
+
+
 def install_loader_guards(model, state) -> None:
-    """Put the guards on a boosted model (instance attributes; ``state.extras`` keeps what to remove)."""
+    """Put the guards on a boosted model (instance attributes; ``state.extras`` keeps what to remove); on a
+    model of a named family, each attention site's ``set_processor`` is guarded too."""
     store: dict = {}
     _install(model, _MODEL_METHODS, _GUARDS, store)
     state.extras[GUARDS_KEY] = store
+    if _is_family(state):
+        sites = {}
+        for name in getattr(state, "processors", {}):
+            module = model.get_submodule(name)
+            if "set_processor" not in module.__dict__ and callable(getattr(type(module), "set_processor", None)):
+                module.__dict__["set_processor"] = sites[name] = functools.partial(_site_set_processor, model, name)
+        state.extras[SITE_GUARDS_KEY] = sites
 
 
 def uninstall_loader_guards(model, state) -> None:
     _uninstall(model, state.extras.pop(GUARDS_KEY, {}))
+    for name, guard in state.extras.pop(SITE_GUARDS_KEY, {}).items():
+        module = model.get_submodule(name)
+        if module.__dict__.get("set_processor") is guard:
+            del module.__dict__["set_processor"]
 
 
 # ------------------------------------------------------------------------------------------ pipelines

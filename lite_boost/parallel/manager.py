@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,9 +199,18 @@ class _CfgForward:
         else:
             self.calls["deferred"] += 1
             local = self.pending
-        both = local.new_empty((2,) + tuple(local.shape))
-        self.mesh.cfg.all_gather_into(both, local.unsqueeze(0).contiguous(), op="cfg_exchange")
-        cond, uncond = both[0], both[1]
+        cond_shape = tuple(self.pending.shape)  # rank 1: the placeholder's (CfgPlan.output_shape)
+        uncond_shape = (tuple(local.shape) if mine == 1 or self.plan.output_shape is None
+                        else tuple(self.plan.output_shape(self.model, args, kwargs)))
+        if cond_shape != uncond_shape and self.plan.output_shape is not None:
+            # outputs of different lengths (Qwen-Image 2.1 returns its text rows too): one uneven gather
+            sizes = [math.prod(cond_shape), math.prod(uncond_shape)]
+            flat = self.mesh.cfg.all_gather_uneven(local.reshape(-1).contiguous(), 0, sizes=sizes, op="cfg_exchange")
+            cond, uncond = flat[:sizes[0]].view(cond_shape), flat[sizes[0]:].view(uncond_shape)
+        else:
+            both = local.new_empty((2,) + tuple(local.shape))
+            self.mesh.cfg.all_gather_into(both, local.unsqueeze(0).contiguous(), op="cfg_exchange")
+            cond, uncond = both[0], both[1]
         if mine == 1:
             placeholder = self.pending
             if placeholder.shape != cond.shape:

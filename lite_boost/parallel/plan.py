@@ -232,18 +232,24 @@ class PipelinePlan:
     without_cfg: class names of the family's pipelines that run no classifier-free guidance at all
     (guidance-distilled variants such as Flux's Control / Fill pipelines): ``cfg`` does not apply
     to them, so cfg degree 2 is refused for them (subclasses included).
+    cfg_by_pipeline: (pipeline class name, CfgPlan) pairs for pipelines of the family that run their
+    guidance another way than ``cfg`` says (Qwen-Image 2.1's modular pipelines: a guider), subclasses
+    included; the first match along the class's MRO applies.
     """
 
     transformers: tuple[str, ...] = ("transformer",)
     cfg: CfgPlan | None = field(default_factory=CfgPlan)
     prepare_latents: str | None = "prepare_latents"
     without_cfg: tuple[str, ...] = ()
+    cfg_by_pipeline: tuple[tuple[str, CfgPlan], ...] = ()
 
     def cfg_for(self, pipe) -> CfgPlan | None:
         """The CFG plan that applies to ``pipe`` (None for a pipeline listed in ``without_cfg``)."""
-        if any(cls.__name__ in self.without_cfg for cls in type(pipe).__mro__):
+        mro = [cls.__name__ for cls in type(pipe).__mro__]
+        if any(name in self.without_cfg for name in mro):
             return None
-        return self.cfg
+        own = dict(self.cfg_by_pipeline)
+        return next((own[name] for name in mro if name in own), self.cfg)
 
 
 def _arg_index(module: torch.nn.Module, arg: str) -> int | None:

@@ -22,7 +22,8 @@ __all__ = ["TinyWanSpec", "tiny_wan_transformer", "tiny_wan_pipeline", "DEMO_PRO
            "DEMO_QWEN_SHAPE", "DEMO_QWEN_STEPS", "DEMO_QWEN_TEXT_LEN", "qwen_demo_prompt_kwargs", "demo_wan_pipeline",
            "describe_wan_demo", "demo_qwen_image_pipeline", "describe_qwen_image_demo", "qwen_demo_prompt",
            "TinyLTX2Spec", "tiny_ltx2_transformer", "tiny_ltx2_pipeline", "ltx2_prompt_embeds", "demo_ltx2_pipeline",
-           "ltx2_demo_prompt", "describe_ltx2_demo"]
+           "ltx2_demo_prompt", "describe_ltx2_demo", "TinyQwenImage21Spec", "tiny_qwen_image21_transformer",
+           "tiny_qwen_image21_pipeline", "demo_qwen_image21_pipeline", "qwen21_demo_prompt", "describe_qwen_image21_demo"]
 
 DEMO_PROMPT = "a red fox runs through fresh snow at dawn"
 DEMO_NEGATIVE_PROMPT = "blurry low quality static"
@@ -464,3 +465,95 @@ def describe_ltx2_demo(pipe, kw) -> str:
             f"{cfg.attention_head_dim}, audio {cfg.audio_num_attention_heads} x {cfg.audio_attention_head_dim}; "
             f"{f} x {h} x {w} = {f * h * w:,} video tokens + {audio} audio tokens + {DEMO_LTX2_TEXT_LEN} text tokens "
             "(random prompt embeddings: no text encoder)")
+
+
+# ---------------------------------------------------------------------------------------------- Qwen-Image 2.1
+@dataclass(frozen=True)
+class TinyQwenImage21Spec:
+    """Size of a tiny Qwen-Image 2.1 transformer (defaults: 3 heads of 16 channels, 2 blocks, 4 latent channels)."""
+
+    heads: int = 3
+    head_dim: int = 16
+    layers: int = 2
+    text_dim: int = 32
+    channels: int = 4
+    axes: tuple[int, int, int] = (4, 6, 6)
+    causal_condition: bool = True
+
+
+def tiny_qwen_image21_transformer(spec: TinyQwenImage21Spec = TinyQwenImage21Spec(), *, seed: int = 0,
+                                  dtype=torch.float32):
+    """A random-weight ``QwenImage21Transformer2DModel`` of ``spec``'s size (the same weights for a seed)."""
+    from diffusers import QwenImage21Transformer2DModel
+
+    torch.manual_seed(seed)
+    model = QwenImage21Transformer2DModel(
+        in_channels=spec.channels, out_channels=spec.channels, num_layers=spec.layers,
+        attention_head_dim=spec.head_dim, num_attention_heads=spec.heads, context_in_dim=spec.text_dim,
+        axes_dims_rope=spec.axes, causal_condition=spec.causal_condition)
+    return (model if dtype == torch.float32 else model.to(dtype)).eval()
+
+
+class _TinyQwen21Tokenizer:
+    """What ``QwenImage21Pipeline.__init__`` reads of the tokenizer: the id of the image placeholder."""
+
+    def encode(self, text):
+        return [0]
+
+
+class _TinyQwen21Processor:
+    """What ``QwenImage21Pipeline.__init__`` reads of its processor (the system-prompt length to drop); a
+    pipeline built with it is called with ``prompt_embeds``."""
+
+    tokenizer = _TinyQwen21Tokenizer()
+
+    def apply_chat_template(self, messages, tokenize=True, return_dict=False):
+        return [[0] * 4]
+
+
+def tiny_qwen_image21_pipeline(spec: TinyQwenImage21Spec = TinyQwenImage21Spec(), *, seed: int = 0,
+                               dtype=torch.float32):
+    """A ``QwenImage21Pipeline`` of random weights: ``spec``'s transformer, a 16x ``AutoencoderKLQwenImage21``
+    of 4 channels, no text encoder (called with ``prompt_embeds``, :func:`qwen21_demo_prompt`)."""
+    from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline
+
+    torch.manual_seed(seed + 1)
+    z = spec.channels
+    vae = AutoencoderKLQwenImage21(base_dim=4, decoder_base_dim=4, z_dim=z, dim_mult=[1, 1, 1, 1, 1],
+                                   num_res_blocks=1, temperal_downsample=[False] * 4, latents_mean=[0.0] * z,
+                                   latents_std=[1.0] * z).eval()
+    pipe = QwenImage21Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None,
+                               processor=_TinyQwen21Processor(),
+                               transformer=tiny_qwen_image21_transformer(spec, seed=seed + 2, dtype=dtype))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+DEMO_QWEN21_SPEC = TinyQwenImage21Spec(heads=2, head_dim=64, layers=2, axes=(16, 24, 24))
+DEMO_QWEN21_TEXT_LEN = (12, 7)  # cond / uncond prompt tokens
+
+
+def demo_qwen_image21_pipeline(kind: str, dtype=torch.float32):
+    """The tiny pipeline of ``lite-boost generate --family qwen-image-2.1`` (2 blocks of 2 heads x 64)."""
+    return tiny_qwen_image21_pipeline(DEMO_QWEN21_SPEC, dtype=dtype)
+
+
+def qwen21_demo_prompt(pipe, *, cfg: bool, seed: int) -> dict:
+    """Random ``prompt_embeds`` (+ ``negative_prompt_embeds`` with ``cfg``) at the transformer's text width."""
+    g = torch.Generator().manual_seed(seed)
+    dim = pipe.transformer.config.context_in_dim
+    kw = {"prompt_embeds": torch.randn(1, DEMO_QWEN21_TEXT_LEN[0], dim, generator=g)}
+    if cfg:
+        kw["negative_prompt_embeds"] = torch.randn(1, DEMO_QWEN21_TEXT_LEN[1], dim, generator=g)
+    return kw
+
+
+def describe_qwen_image21_demo(pipe, kw) -> str:
+    """What the built-in Qwen-Image 2.1 model is: random weights, its transformer, target and text tokens."""
+    cfg = pipe.transformer.config
+    h, w = kw["height"] // pipe.vae_scale_factor, kw["width"] // pipe.vae_scale_factor
+    text = (f"{DEMO_QWEN21_TEXT_LEN[0]} / {DEMO_QWEN21_TEXT_LEN[1]} text tokens (cond / uncond" if
+            "negative_prompt_embeds" in kw else f"{DEMO_QWEN21_TEXT_LEN[0]} text tokens (")
+    return (f"  model: random weights; transformer {cfg.num_layers} layers x {cfg.num_attention_heads} heads x "
+            f"{cfg.attention_head_dim}, {h} x {w} = {h * w:,} image tokens after {text}, random prompt embeddings: "
+            "no text encoder), block-causal")

@@ -224,10 +224,10 @@ def test_family_flag_takes_registered_families_and_runs_only_tiny_ones():
 
     names = [f.name for f in families()]
     assert {"wan", "qwen-image", "flux"} <= set(names)
-    with pytest.raises(SystemExit, match=r"--family must be one of \['wan', 'qwen-image', 'flux'.*got 'sdxl'"):
+    with pytest.raises(SystemExit, match=r"--family must be one of \['wan', 'qwen-image', 'qwen-image-2.1', 'flux'.*got 'sdxl'"):
         main(["generate", "--family", "sdxl"])
     with pytest.raises(SystemExit, match=r"--family flux has no built-in tiny model: pass --model PATH .* "
-                                         r"a family with one: \['wan', 'qwen-image', 'flux2', 'ltx2'\]"):
+                                         r"a family with one: \['wan', 'qwen-image', 'qwen-image-2.1', 'flux2', 'ltx2'\]"):
         main(["generate", "--family", "flux"])
 
 

@@ -111,6 +111,14 @@ def _qwen_image():
                _floats(lambda: cases.transformer_inputs(spec, grid=(3, 5))), steps=(0.9, 0.6))
 
 
+def _qwen_image_21():
+    import _tiny_qwen21 as t
+
+    return Row("qwen-image-2.1", lambda dtype: t.transformer(dtype=dtype),
+               _floats(lambda: t.transformer_inputs(layout="one_condition", target=(2, 6), pad=[2])),
+               stock_breaks=True, steps=(0.9, 0.6))
+
+
 def _flux():
     import _tiny_flux as tf
 
@@ -190,6 +198,7 @@ ROWS = {
     "wan": _wan,
     "wan-ti2v-5b": _wan_ti2v_5b,
     "qwen-image": _qwen_image,
+    "qwen-image-2.1": _qwen_image_21,
     "flux": _flux,
     "flux2": _flux2,
     "ltx": _ltx,

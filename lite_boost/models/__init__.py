@@ -18,6 +18,7 @@ __all__ = ["SUPPORTED_MODELS", "UnsupportedModelError", "register_model", "regis
 from . import wan  # noqa: E402,F401  (registers the Wan family)
 from . import wan_vae  # noqa: E402,F401  (registers the Wan parallel-VAE adapter)
 from . import qwenimage  # noqa: E402,F401  (registers the Qwen-Image family)
+from . import qwenimage21  # noqa: E402,F401  (registers the Qwen-Image 2.1 family)
 from . import flux  # noqa: E402,F401  (registers the Flux.1 family)
 from . import flux2  # noqa: E402,F401  (registers the Flux.2 family)
 from . import ltx  # noqa: E402,F401  (registers the LTX-Video family)

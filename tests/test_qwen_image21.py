@@ -205,3 +205,27 @@ def test_cfg_plans_of_the_two_pipeline_kinds():
     assert plan.cfg_for(t.pipeline()).kind == "separate"
     modular = plan.cfg_for(t.modular_pipeline())
     assert (modular.kind, modular.cond, modular.uncond) == ("guider", "pred_cond", "pred_uncond")
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["sparse", "cached"])
+def test_explain_adds_no_graph_break_on_the_sparse_and_cached_paths(kind, fresh_dynamo):
+    """Stock's forward breaks where it reads tensors (its RoPE and prefix layout); the boosted sparse path and the
+    target-only cached step add none."""
+    x = t.transformer_inputs(layout="one_condition", target=(8, 12), pad=[2])
+    config = BoostConfig(sparse=SparseConfig(sparsity=0.75, sparse_type="rf_v2", block_size=4, backend="gather",
+                                             keep_sink=False)) if kind == "sparse" else None
+
+    def call(model):
+        if kind == "sparse":
+            return x
+        calls = t.kv_calls(x, model)
+        model(**calls[0])  # eager extract, then the cached step is explained
+        return calls[1]
+
+    stock_model = t.transformer()
+    stock = torch._dynamo.explain(stock_model)(**call(stock_model))
+    torch._dynamo.reset()
+    model = lite_boost.boost(t.transformer(), config)
+    boosted = torch._dynamo.explain(model)(**call(model))
+    assert boosted.graph_break_count <= stock.graph_break_count, [r.reason for r in boosted.break_reasons]

@@ -56,6 +56,8 @@ SUPPORTED_MODELS: dict[str, BoostFn] = {}
 _FAMILIES: dict[str, object] = {}  # family name -> description, in registration order
 # name -> (boost function or None for a target no family registers, why not or None): consulted in order
 _FALLBACKS: dict[str, tuple[Callable[[object], BoostFn | None], Callable[[object], str | None]]] = {}
+# name -> takes_over(target): the fallback takes a target even though a family registered its class
+_TAKEOVERS: dict[str, Callable[[object], bool]] = {}
 _LOADED: list[bool] = [False]  # the built-in adapters were imported (a list: no rebinding of a global)
 # VAE class name -> its parallel-VAE adapter class (``lite_boost.parallel.vae.register_vae_adapter``)
 _VAE_ADAPTERS: dict[str, type] = {}
@@ -102,15 +104,20 @@ def register_family(family, *, replace: bool = False):
 
 
 def register_fallback(name: str, find: Callable[[object], BoostFn | None],
-                      why_not: Callable[[object], str | None] | None = None) -> None:
+                      why_not: Callable[[object], str | None] | None = None,
+                      takes_over: Callable[[object], bool] | None = None) -> None:
     """Register a path for targets whose class no family registered (the generic path).
 
     ``find(target)`` returns a boost function (with ``.unboost`` and ``.family``) or None; ``why_not(target)``
-    says why it returns None (it goes into the lookup error). Registered families always win.
+    says why it returns None (it goes into the lookup error). Registered families win, except for a target
+    for which ``takes_over(target)`` is true (e.g. a model whose processors carry weights the family's do not
+    reproduce) and ``find`` gives a function.
     """
     if not isinstance(name, str) or not name or not callable(find):
         raise TypeError("register_fallback needs a name and a callable find(target)")
     _FALLBACKS[name] = (find, why_not or (lambda target: None))
+    if takes_over is not None:
+        _TAKEOVERS[name] = takes_over
 
 
 def add_vae_adapter(adapter_cls: type, class_names, *, replace: bool = False) -> None:
@@ -160,6 +167,9 @@ def supported_model_names() -> list[str]:
 def lookup(target: object) -> BoostFn:
     """The boost function for ``target``'s class or its nearest registered base class."""
     load_builtin_adapters()
+    for name, takes_over in _TAKEOVERS.items():
+        if takes_over(target) and (fn := _FALLBACKS[name][0](target)) is not None:
+            return fn
     for cls in type(target).__mro__:
         fn = SUPPORTED_MODELS.get(cls.__name__)
         if fn is not None:

@@ -200,12 +200,72 @@ def test_flux_ip_adapter_on_boosted_pipeline_is_refused_before_anything_changes(
     components = dict(pipe.components)
     procs = [m.processor for m in model.modules() if hasattr(m, "set_processor")]
     with pytest.raises(LoaderError, match=r"load_ip_adapter: FluxTransformer2DModel is boosted by lite_boost "
-                                          r"\(the flux family\).*IP-Adapter"):
+                                          r"\(the flux family\).*IP-Adapter.*Load the IP-Adapter before boosting"):
         pipe.load_ip_adapter({"image_proj": {}, "ip_adapter": {}}, weight_name="ip_adapter.safetensors")
     with pytest.raises(LoaderError, match=r"load_ip_adapter"):  # the transformer's own loader, called directly
         model._load_ip_adapter_weights([{"image_proj": {}, "ip_adapter": {}}])
     assert dict(pipe.components) == components and getattr(model, "encoder_hid_proj", None) is None
     assert [m.processor for m in model.modules() if hasattr(m, "set_processor")] == procs
+
+
+def _flux_ip_adapter(model, seed, clip_dim=8):
+    """A random IP-Adapter for ``model`` in the format of diffusers' Flux loader ({"image_proj", "ip_adapter"})."""
+    g = torch.Generator().manual_seed(seed)
+    c, inner = model.config.joint_attention_dim, model.inner_dim
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g) * 0.3
+
+    ip = {}
+    for i in range(len(model.transformer_blocks)):
+        ip.update({f"{i}.to_k_ip.weight": r(inner, c), f"{i}.to_k_ip.bias": r(inner),
+                   f"{i}.to_v_ip.weight": r(inner, c), f"{i}.to_v_ip.bias": r(inner)})
+    return {"image_proj": {"proj.weight": r(4 * c, clip_dim), "proj.bias": r(4 * c), "norm.weight": 1 + r(c),
+                           "norm.bias": r(c)}, "ip_adapter": ip}
+
+
+@torch.no_grad()
+def test_flux_ip_adapter_loaded_before_boost_runs_on_the_generic_path_equal_to_stock():
+    """An IP-Adapter loaded before boosting: the model goes to the generic path (diffusers' IP-Adapter processors, both
+    their attentions through lite_boost's backend); set_ip_adapter_scale, unload_ip_adapter, unboost equal stock."""
+    import _tiny_flux as tf
+
+    from lite_boost.adapter.generic import generic_context
+    from lite_boost.registry import family_of
+
+    stock, pipe = tf.pipeline(), tf.pipeline()
+    emb, neg = torch.randn(1, 1, 8, generator=torch.Generator().manual_seed(3)), torch.zeros(1, 1, 8)
+    for p in (stock, pipe):
+        p.load_ip_adapter(_flux_ip_adapter(p.transformer, 1), weight_name="ip_adapter.safetensors",
+                          image_encoder_pretrained_model_name_or_path=None)
+        p.set_ip_adapter_scale(0.7)
+
+    def run(p, e=emb):
+        return p(**tf.call_kwargs("t2i"), ip_adapter_image_embeds=[e], negative_ip_adapter_image_embeds=[neg]).images
+
+    ref = run(stock)
+    assert _diff(ref, run(stock, emb + 3)) > 1e-3  # the image embedding changes the output
+    lite_boost.boost(pipe)
+    assert family_of(pipe).name == "generic" and pipe.transformer._lite_boost.family.name == "generic"
+    ctx = generic_context(pipe.transformer)
+    calls = []
+    inner = ctx.cross_attn_fn
+    ctx.cross_attn_fn = lambda *a: (calls.append(a[0].shape[1]), inner(*a))[1]
+    assert _diff(run(pipe), ref) <= TOL
+    assert len(calls) == 2 * 2 * tf.TinyFluxSpec().layers  # 2 steps x (cond, uncond) x dual blocks: the IP branch
+    ctx.cross_attn_fn = inner
+    for p in (stock, pipe):
+        p.set_ip_adapter_scale(0.3)
+    assert _diff(run(pipe), run(stock)) <= TOL
+    for p in (stock, pipe):
+        p.unload_ip_adapter()
+    assert _diff(pipe(**tf.call_kwargs("t2i")).images, stock(**tf.call_kwargs("t2i")).images) <= TOL
+    assert lite_boost.api.is_boosted(pipe) and family_of(pipe).name == "generic"  # boosted as it was
+    lite_boost.unboost(pipe)
+    assert not lite_boost.api.is_boosted(pipe) and family_of(pipe).name == "flux"
+    lite_boost.boost(pipe)  # without the IP-Adapter: the family again
+    assert pipe.transformer._lite_boost.family.name == "flux"
+    assert _diff(pipe(**tf.call_kwargs("t2i")).images, stock(**tf.call_kwargs("t2i")).images) <= TOL
 
 
 # ----------------------------------------------------------------------------------- the generic path
@@ -381,3 +441,44 @@ def test_lora_loading_refused_on_sharded_weights(monkeypatch):
     del pipe.transformer._lite_boost.extras["parallel"]
     pipe.load_lora_weights(lora, adapter_name="a")  # unsharded: taken
     assert any("lora_A" in n for n, _ in pipe.transformer.named_modules())
+
+
+# ------------------------------------------------------------------------------------------ ControlNet pipelines
+@pytest.mark.parametrize("kind", ["flux", "flux_multi", "qwen", "qwen_multi"])
+@torch.no_grad()
+def test_controlnet_pipeline_boost_equals_stock(kind):
+    """boost(FluxControlNetPipeline / QwenImageControlNetPipeline): the transformer by its family, the ControlNet
+    (or each in the Multi wrapper) on the generic path with the attention settings only; equals stock; unboost
+    restores both."""
+    import _tiny_controlnet as tc
+
+    from lite_boost.adapter.generic import generic_context
+
+    stock, pipe = tc.pipeline(kind), tc.pipeline(kind)
+    ref = stock(**tc.call_kwargs(kind)).images
+    off = tc.call_kwargs(kind)
+    off["controlnet_conditioning_scale"] = [0.0] * len(off["control_image"]) if isinstance(
+        off["control_image"], list) else 0.0
+    assert _diff(stock(**off).images, ref) > 1e-3  # the ControlNet's residuals change the output
+    lite_boost.boost(pipe)
+    assert _boosted_processors(pipe)
+    ctx = generic_context(pipe.controlnet)
+    assert ctx is not None and pipe.controlnet._lite_boost.config == lite_boost.BoostConfig()
+    calls = []
+    inner = ctx.self_attn_fn
+    ctx.self_attn_fn = lambda *a: (calls.append(1), inner(*a))[1]
+    assert _diff(pipe(**tc.call_kwargs(kind)).images, ref) <= TOL and calls  # the ControlNet ran lite_boost's
+    ctx.self_attn_fn = inner
+    lite_boost.unboost(pipe)
+    assert getattr(pipe.controlnet, "_lite_boost", None) is None and not lite_boost.api.is_boosted(pipe)
+    assert all(getattr(m.processor, "_attention_backend", None) is None
+               for m in pipe.controlnet.modules() if hasattr(m, "set_processor"))
+    assert _diff(pipe(**tc.call_kwargs(kind)).images, ref) == 0
+
+
+def test_controlnet_takes_the_attention_settings_only():
+    from lite_boost.adapter.controlnet import controlnet_config
+
+    cfg = lite_boost.BoostConfig.coerce({"attention_backend": "sdpa", "rope_cache_size": 4, "cache": "first_block_cache",
+                                         "sparse": {"sparsity": 0.5}, "quant": "int8_weight_only"})
+    assert controlnet_config(cfg) == lite_boost.BoostConfig(attention_backend="sdpa", rope_cache_size=4)

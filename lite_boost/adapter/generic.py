@@ -48,6 +48,7 @@ from .boost import STATE_ATTR, BoostState, check_attention_precision
 from .cache import install_cache, uninstall_cache
 from .family import FEATURES
 from .generic_parallel import cp_plan_of, key_padding_mask as _key_padding_mask, plan_gap, sequence_plan
+from .controlnet import boost_controlnets, unboost_controlnets
 from .loaders import AFTER_SWAP_KEY, install_loader_guards, install_pipeline_guards, uninstall_loader_guards, uninstall_pipeline_guards
 from .steps import attach_step_check, detach_step_check
 from .generic_sparse import SPARSE_CACHE_METHODS, install_generic_sparse, latent_grid, uninstall_generic_sparse
@@ -719,8 +720,13 @@ def boost_generic_pipeline(pipe, config: BoostConfig | None = None, *, plan=None
     else:
         config = plan.config
     models = pipeline_transformers(pipe)
-    for _, model in models:
-        lookup(model)(model, config)
+    boost_controlnets(pipe, config, [m for _, m in models])  # attention settings only; first: it undoes itself on failure
+    try:
+        for _, model in models:
+            lookup(model)(model, config)
+    except BaseException:
+        unboost_controlnets(pipe)
+        raise
     from .sparse import attach_pipeline
 
     for _, model in models:
@@ -737,6 +743,7 @@ def unboost_generic_pipeline(pipe):
     for _, model in pipeline_transformers(pipe):
         fn = lookup(model)
         fn.unboost(model)
+    unboost_controlnets(pipe)
     uninstall_pipeline_guards(pipe)
     return pipe
 
@@ -794,4 +801,29 @@ def _fallback_reason(target) -> str | None:
     return None
 
 
-register_fallback(GENERIC, _fallback, _fallback_reason)
+def _holds_weighted_processor(model) -> bool:
+    """An attention processor of ``model`` holds weights of its own (an IP-Adapter's key / value projections) and
+    goes through diffusers' dispatcher."""
+    return any(isinstance(p := m.processor, torch.nn.Module) and _processor_dispatches(type(p))
+               and any(True for _ in p.parameters()) for _, m in _attention_modules(model))
+
+
+def _takes_over(target) -> bool:
+    """The generic path takes ``target`` although a family registered its class: a model boosted on the generic
+    path now, or an unboosted one whose IP-Adapter processors (weights of their own, through diffusers'
+    dispatcher) a family's processors do not reproduce; a pipeline when it takes one of its transformers."""
+    try:
+        from diffusers import DiffusionPipeline, ModelMixin
+    except ImportError:  # pragma: no cover
+        return False
+    if isinstance(target, ModelMixin):
+        state = getattr(target, STATE_ATTR, None)
+        if state is not None:
+            return isinstance(state.family, GenericFamily)
+        return _holds_weighted_processor(target)
+    if isinstance(target, DiffusionPipeline):
+        return any(_takes_over(m) for _, m in pipeline_transformers(target))
+    return False
+
+
+register_fallback(GENERIC, _fallback, _fallback_reason, takes_over=_takes_over)

@@ -16,7 +16,9 @@ naming the boost option and what to do:
   block) on a model boosted by a named family: its attention runs lite_boost's
   processor shims, which a swap would drop silently (and unboost would then drop the user's processors).
   On the generic path the swap is taken: the new processors go through lite_boost's attention backend
-  as the old ones did (diffusers' processors keep doing the projections, norms and RoPE).
+  as the old ones did (diffusers' processors keep doing the projections, norms and RoPE). An IP-Adapter
+  loaded *before* boosting is taken that way: the generic path claims a model whose processors carry weights
+  (``lite_boost.registry`` ``takes_over``), so Flux with an IP-Adapter is boosted generically.
 * ``load_lora_weights`` / ``load_lora_adapter`` / ``fuse_lora`` on a model whose weights ParallelManager split
   (tensor parallelism, FSDP2): the LoRA's layers are made for whole weights. Load LoRAs before ParallelManager.
 * ``set_attention_backend`` / ``reset_attention_backend``: lite_boost chose the backend
@@ -96,9 +98,19 @@ def _check_processor_swap(model, what: str) -> None:
     raise LoaderError(
         f"{what}: {_who(model, state)}, whose attention runs lite_boost's processors; replacing them would "
         "switch lite_boost off in those layers without a word (and unboost would then drop your processors). "
-        "Call lite_boost.unboost(...) first and set the processors on the stock model (an IP-Adapter's "
-        "processors carry weights of their own, which lite_boost's family processors do not reproduce: "
-        "such a model runs unboosted)")
+        "Call lite_boost.unboost(...) first and set the processors on the stock model")
+
+
+def _check_ip_adapter(model, what: str) -> None:
+    state = _state(model)
+    if state is None or not _is_family(state):
+        return
+    raise LoaderError(
+        f"{what}: {_who(model, state)}, whose attention runs lite_boost's processors, and an IP-Adapter's "
+        "processors carry weights of their own (image key / value projections) that those do not reproduce. Load "
+        "the IP-Adapter before boosting: lite_boost then boosts the model on its generic path (diffusers' "
+        "IP-Adapter processors, their attention through lite_boost's backend), equal to stock. Or call "
+        "lite_boost.unboost(pipe), load the IP-Adapter and boost again")
 
 
 def _call(model, name, prior, args, kwargs):
@@ -153,7 +165,7 @@ _GUARDS = {"load_lora_adapter": _guarded("load_lora_adapter", _check_sharded),
            "set_attn_processor": _set_attn_processor,
            "set_attention_backend": _guarded("set_attention_backend", _check_backend_switch),
            "reset_attention_backend": _guarded("reset_attention_backend", _check_backend_switch),
-           "_load_ip_adapter_weights": _guarded("_load_ip_adapter_weights", _check_processor_swap, "load_ip_adapter")}
+           "_load_ip_adapter_weights": _guarded("_load_ip_adapter_weights", _check_ip_adapter, "load_ip_adapter")}
 
 
 def _install(obj, names, guards, store: dict) -> None:
@@ -231,7 +243,7 @@ def _pipe_unfuse(pipe, prior, *args, **kwargs):
 
 def _pipe_ip_adapter(pipe, prior, *args, **kwargs):
     for m in _pipe_models(pipe):  # before the image encoder is loaded into the pipeline
-        _check_processor_swap(m, "load_ip_adapter")
+        _check_ip_adapter(m, "load_ip_adapter")
     return _call(pipe, "load_ip_adapter", prior, args, kwargs)
 
 

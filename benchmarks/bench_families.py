@@ -27,6 +27,8 @@ import argparse
 import copy
 import math
 import os
+import platform
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -35,7 +37,8 @@ import torch
 from bench_sparse_common import environment, markdown_table, median, timed, write
 
 import lite_boost
-from lite_boost.config import BoostConfig, SparseConfig
+from lite_boost.config import BoostConfig, QuantConfig, SparseConfig
+from lite_boost.quant import quant_state
 
 
 @dataclass
@@ -48,6 +51,7 @@ class Case:
     block: dict[str, Callable[[], torch.Tensor]]  # variant -> one call of the whole block
     rope: dict[str, Callable[[], object]] = field(default_factory=dict)  # variant -> one RoPE module call
     sparse_state: object = None  # SparseState of the sparse variant (effective sparsity)
+    quantized: tuple = ()  # names of the Linear layers the int8 variant quantized
 
 
 BENCHES: dict[str, Callable[[argparse.Namespace], Case]] = {}
@@ -62,7 +66,9 @@ def family(name):
 
 
 # --------------------------------------------------------------------------------------------- helpers
-QUICK_GRIDS = {"ltx": (3, 8, 11), "qwen-image": (1, 8, 11), "flux": (1, 8, 11), "cogvideox": (2, 6, 11)}
+QUICK_GRIDS = {"ltx": (3, 8, 11), "qwen-image": (1, 8, 11), "flux": (1, 8, 11), "cogvideox": (2, 6, 11),
+               "chronoedit": (2, 6, 8), "skyreels-v2": (3, 6, 8), "wan-animate": (3, 6, 8), "wan-vace": (3, 6, 8),
+               "flux2": (1, 8, 11)}
 
 
 def _size(args, sizes: dict) -> str:
@@ -82,16 +88,38 @@ def _text(args, default: int) -> int:
     return default if args.text is None else args.text
 
 
+def _shared_copy(model):
+    """A deep copy of ``model`` whose parameters and buffers are the original's tensors (the boost patches
+    instances and never writes weights; quantization swaps in new weight tensors): one copy of the weights in
+    memory for every variant, which a 14B-dim block in fp32 needs."""
+    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def _fingerprint(model) -> list[float]:
+    """fp64 sums of every parameter: the check that building the variants left the stock weights as they were."""
+    return [p.detach().double().sum().item() for p in model.parameters()]
+
+
 def _variants(stock, args, sparse_ok: bool):
-    """{'stock', 'boosted'[, 'sparse <s>']} -> model, all from the same weights, and the sparse state."""
-    models = {"stock": stock, "boosted": lite_boost.boost(copy.deepcopy(stock))}
+    """{'stock', 'boosted'[, 'sparse <s>'][, 'int8']} -> model, all on the same weight tensors, the sparse
+    state, and the names of the layers the int8 variant quantized."""
+    before = _fingerprint(stock)
+    models = {"stock": stock, "boosted": lite_boost.boost(_shared_copy(stock))}
     state = None
     if sparse_ok and not args.no_sparse:
-        sparse = lite_boost.boost(copy.deepcopy(stock), BoostConfig(sparse=SparseConfig(
+        sparse = lite_boost.boost(_shared_copy(stock), BoostConfig(sparse=SparseConfig(
             sparsity=args.sparsity, block_size=args.block_size)))
         models[f"sparse {args.sparsity}"] = sparse
         state = sparse._lite_boost.extras["sparse"]
-    return models, state
+    quantized = ()
+    if not args.no_int8:
+        int8 = lite_boost.boost(_shared_copy(stock), BoostConfig(quant=QuantConfig("int8_dynamic")))
+        models["int8"] = int8
+        quantized = quant_state(int8).layers
+    if _fingerprint(stock) != before:
+        raise RuntimeError("building the boosted variants changed the stock weights")
+    return models, state, quantized
 
 
 def _observed(fn, state, grid):
@@ -132,7 +160,7 @@ def ltx_case(args) -> Case:
     stock = LTXVideoTransformer3DModel(in_channels=128, out_channels=128, num_attention_heads=heads,
                                        attention_head_dim=head_dim, cross_attention_dim=inner, num_layers=1,
                                        caption_channels=inner).eval()
-    models, state = _variants(stock, args, sparse_ok=True)
+    models, state, quantized = _variants(stock, args, sparse_ok=True)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(batch, seq, inner, generator=g)
     context = torch.randn(batch, text, inner, generator=g)
@@ -156,7 +184,7 @@ def ltx_case(args) -> Case:
     rope = {k: (lambda m=models[k]: m.rope(*rope_args)) for k in ("stock", "boosted")}
     shape = (f"LTX {args.size.upper()}: {heads} x {head_dim} heads, grid {grid} = {seq:,} video tokens, batch {batch}, "
              f"text {text} ({valid} real), fp32, sparse block {args.block_size}")
-    return Case("LTX-Video block", shape, attention, block, rope, state)
+    return Case("LTX-Video block", shape, attention, block, rope, state, quantized)
 
 
 # --------------------------------------------------------------------------------------------- Qwen-Image
@@ -177,7 +205,7 @@ def qwen_image_case(args) -> Case:
     stock = QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=1,
                                         attention_head_dim=head_dim, num_attention_heads=heads,
                                         joint_attention_dim=text_dim, axes_dims_rope=(16, 56, 56)).eval()
-    models, _ = _variants(stock, args, sparse_ok=False)
+    models, state, quantized = _variants(stock, args, sparse_ok=True)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(batch, seq, inner, generator=g)  # after img_in
     context = torch.randn(batch, text, inner, generator=g)  # after txt_norm / txt_in (3584 -> 3072)
@@ -197,11 +225,11 @@ def qwen_image_case(args) -> Case:
         return lambda: blk(hidden_states=hidden, encoder_hidden_states=context, encoder_hidden_states_mask=None,
                            temb=temb, image_rotary_emb=rot)
 
-    attention, block = _cases(models, None, grid, attention_fn, block_fn)
-    rope_fns = {k: (lambda m=m: rope(m)) for k, m in models.items()}
+    attention, block = _cases(models, state, grid, attention_fn, block_fn)
+    rope_fns = {k: (lambda m=models[k]: rope(m)) for k in ("stock", "boosted")}
     shape = (f"Qwen-Image: {heads} x {head_dim} heads (inner {inner}, text projected from {text_dim}), "
              f"{grid[1] * 16} x {grid[2] * 16} px = {seq:,} image + {text} text tokens, batch {batch}, fp32")
-    return Case("Qwen-Image block", shape, attention, block, rope_fns)
+    return Case("Qwen-Image block", shape, attention, block, rope_fns, state, quantized)
 
 
 # --------------------------------------------------------------------------------------------- Flux.1
@@ -227,7 +255,7 @@ def flux_case(args) -> Case:
     stock = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,
                                    attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=4096,
                                    pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56)).eval()
-    models, _ = _variants(stock, args, sparse_ok=False)
+    models, state, quantized = _variants(stock, args, sparse_ok=True)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(batch, seq, inner, generator=g)  # after x_embedder
     context = torch.randn(batch, text, inner, generator=g)  # after context_embedder
@@ -263,11 +291,11 @@ def flux_case(args) -> Case:
             return single(hidden_states=hid, encoder_hidden_states=enc, temb=temb, image_rotary_emb=rot)
         return run
 
-    attention, block = _cases(models, None, grid, attention_fn, block_fn)
-    rope_fns = {k: (lambda m=m: rope(m)) for k, m in models.items()}
+    attention, block = _cases(models, state, grid, attention_fn, block_fn)
+    rope_fns = {k: (lambda m=models[k]: rope(m)) for k in ("stock", "boosted")}
     shape = (f"Flux.1-dev: {heads} x {head_dim} heads, {grid[1] * 16} x {grid[2] * 16} px = {seq:,} image + {text} "
              f"text tokens, batch {batch}, one dual-stream + one single-stream block, fp32")
-    return Case("Flux.1 blocks", shape, attention, block, rope_fns)
+    return Case("Flux.1 blocks", shape, attention, block, rope_fns, state, quantized)
 
 
 # --------------------------------------------------------------------------------------------- CogVideoX
@@ -289,7 +317,7 @@ def cogvideox_case(args) -> Case:
     torch.manual_seed(0)
     stock = CogVideoXTransformer3DModel(num_attention_heads=heads, attention_head_dim=head_dim, in_channels=16,
                                         num_layers=1, use_rotary_positional_embeddings=True).eval()
-    models, state = _variants(stock, args, sparse_ok=True)
+    models, state, quantized = _variants(stock, args, sparse_ok=True)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(batch, seq, inner, generator=g)  # after patch_embed
     context = torch.randn(batch, text, inner, generator=g)
@@ -311,7 +339,222 @@ def cogvideox_case(args) -> Case:
     shape = (f"CogVideoX-5B: {heads} x {head_dim} heads, grid {grid} = {seq:,} video + {text} text tokens "
              f"({grid[1] * 16} x {grid[2] * 16} px, {4 * (grid[0] - 1) + 1} frames), batch {batch}, fp32, "
              f"sparse block {args.block_size}")
-    return Case("CogVideoX block", shape, attention, block, sparse_state=state)
+    return Case("CogVideoX block", shape, attention, block, sparse_state=state, quantized=quantized)
+
+
+# --------------------------------------------------------------------------------------------- Wan-based
+# heads x head_dim, FFN width of the released Wan2.1 transformers (config.json of Wan2.1-T2V-1.3B / -14B;
+# the I2V-14B transformer adds the CLIP image cross-attention: image_dim 1280, added_kv_proj_dim 5120)
+WAN_DIMS = {"1.3b": (12, 128, 8960), "14b": (40, 128, 13824)}
+WAN_TEXT, WAN_IMAGE = 512, 257  # umT5 tokens (padded to 512), CLIP ViT-H image tokens (I2V)
+
+
+def _wan_grid(args, default):
+    grid = _grid(args, default)
+    return grid, math.prod(grid)
+
+
+def _wan_px(grid) -> str:
+    return f"{grid[1] * 16} x {grid[2] * 16} px"
+
+
+def _wan_inputs(batch, seq, inner, text, image, grid, in_channels):
+    """Block inputs as the transformer makes them: video tokens after the patch embedding, [image, text]
+    context after the condition embedder, the (B, 6, D) modulation, and latents for the RoPE module."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(batch, seq, inner, generator=g)
+    context = torch.randn(batch, image + text, inner, generator=g)
+    temb = 0.1 * torch.randn(batch, 6, inner, generator=g)
+    latents = torch.zeros(batch, in_channels, grid[0], 2 * grid[1], 2 * grid[2])  # patch (1, 2, 2)
+    return hidden, context, temb, latents
+
+
+def _wan_block_case(args, stock, title, shape, grid, hidden, context, temb, latents, extra=None, tail=()):
+    """Attention (self + cross of ``blocks[0]``) and the whole ``blocks[0]`` of a Wan-type transformer, with
+    ``extra(model, out)`` after the block (e.g. a face adapter) when given; ``tail``: further positional
+    arguments of the block (SkyReels-V2: the causal mask, None for synchronous diffusion forcing)."""
+    models, state, quantized = _variants(stock, args, sparse_ok=True)
+
+    def attention_fn(model):
+        blk, rot = model.blocks[0], model.rope(latents)
+        return lambda: blk.attn1(hidden, None, None, rot) + blk.attn2(hidden, context, None, None)
+
+    def block_fn(model):
+        blk, rot = model.blocks[0], model.rope(latents)
+
+        def run():
+            out = blk(hidden, context, temb, rot, *tail)
+            return extra(model, out) if extra is not None else out
+        return run
+
+    attention, block = _cases(models, state, grid, attention_fn, block_fn)
+    rope = {k: (lambda m=models[k]: m.rope(latents)) for k in ("stock", "boosted")}
+    return Case(title, shape, attention, block, rope, state, quantized)
+
+
+@family("chronoedit")
+def chronoedit_case(args) -> Case:
+    """One ChronoEdit-14B block (Wan2.1-I2V-14B dims: 40 x 128 heads, dim 5120, FFN 13824, in_channels 36,
+    CLIP image cross-attention: image_dim 1280, added_kv_proj_dim 5120; rope_temporal_skip_len 8). The edit's
+    two-frame latent (input frame, output frame) at 720 x 1280 px: 2 x 45 x 80 = 7,200 tokens; 512 text +
+    257 image context tokens."""
+    from diffusers import ChronoEditTransformer3DModel
+
+    heads, head_dim, ffn = WAN_DIMS[_size(args, {"14b": None})]
+    inner = heads * head_dim
+    grid, seq = _wan_grid(args, (2, 45, 80))
+    torch.manual_seed(0)
+    stock = ChronoEditTransformer3DModel(num_attention_heads=heads, attention_head_dim=head_dim, in_channels=36,
+                                         ffn_dim=ffn, num_layers=1, image_dim=1280, added_kv_proj_dim=inner,
+                                         rope_temporal_skip_len=8).eval()
+    hidden, context, temb, latents = _wan_inputs(args.batch, seq, inner, WAN_TEXT, WAN_IMAGE, grid, 36)
+    shape = (f"ChronoEdit-14B: {heads} x {head_dim} heads (dim {inner}, FFN {ffn}), grid {grid} = {seq:,} video "
+             f"tokens ({_wan_px(grid)}, {grid[0]} latent frames), {WAN_TEXT} text + {WAN_IMAGE} image context "
+             f"tokens, batch {args.batch}, fp32, sparse block {args.block_size}")
+    return _wan_block_case(args, stock, "ChronoEdit block", shape, grid, hidden, context, temb, latents)
+
+
+@family("skyreels-v2")
+def skyreels_v2_case(args) -> Case:
+    """One SkyReels-V2 block at the 1.3B-540P dims (12 x 128 heads, dim 1536, FFN 8960; the released
+    SkyReels-V2-DF-1.3B-540P config), diffusion forcing: one timestep per latent frame, so a per-token (B, 6,
+    S, D) modulation. 544 x 960 px, 33 frames: 9 x 34 x 60 = 18,360 tokens (the 97-frame default would be
+    51,000: too slow for a 2-core run); 512 text tokens."""
+    from diffusers import SkyReelsV2Transformer3DModel
+
+    heads, head_dim, ffn = WAN_DIMS[_size(args, {"1.3b": None, "14b": None})]
+    inner = heads * head_dim
+    grid, seq = _wan_grid(args, (9, 34, 60))
+    torch.manual_seed(0)
+    stock = SkyReelsV2Transformer3DModel(num_attention_heads=heads, attention_head_dim=head_dim, ffn_dim=ffn,
+                                         num_layers=1, inject_sample_info=False).eval()
+    hidden, context, _, latents = _wan_inputs(args.batch, seq, inner, WAN_TEXT, 0, grid, 16)
+    g = torch.Generator().manual_seed(1)
+    per_frame = 0.1 * torch.randn(args.batch, 6, grid[0], 1, inner, generator=g)  # one modulation per frame
+    temb = per_frame.expand(-1, -1, -1, grid[1] * grid[2], -1).reshape(args.batch, 6, seq, inner).contiguous()
+    shape = (f"SkyReels-V2 {args.size.upper()}: {heads} x {head_dim} heads (dim {inner}, FFN {ffn}), grid {grid} = "
+             f"{seq:,} video tokens ({_wan_px(grid)}, {4 * (grid[0] - 1) + 1} frames), diffusion forcing (per-frame "
+             f"timesteps: a (B, 6, S, D) modulation), {WAN_TEXT} text tokens, batch {args.batch}, fp32, sparse block "
+             f"{args.block_size}")
+    return _wan_block_case(args, stock, "SkyReels-V2 block", shape, grid, hidden, context, temb, latents,
+                           tail=(None,))
+
+
+@family("wan-animate")
+def wan_animate_case(args) -> Case:
+    """One Wan Animate 14B block (Wan2.2-Animate-14B: Wan2.1-I2V-14B dims, 40 x 128 heads, dim 5120, FFN
+    13824, in_channels 36, image_dim 1280, added_kv_proj_dim 5120) followed by its face adapter (the
+    ``face_adapter`` cross-attention of every latent frame's video tokens to that frame's 5 motion tokens, after
+    every 5th block in the released model). 480 x 832 px, 13 frames (4 latent) + the reference latent frame: 5 x
+    30 x 52 = 7,800 tokens (the released 77-frame segment at 720 x 1280 would be 75,600: too slow for a
+    2-core run); 512 text + 257 image context tokens."""
+    from diffusers import WanAnimateTransformer3DModel
+
+    heads, head_dim, ffn = WAN_DIMS[_size(args, {"14b": None})]
+    inner = heads * head_dim
+    grid, seq = _wan_grid(args, (5, 30, 52))
+    torch.manual_seed(0)
+    stock = WanAnimateTransformer3DModel(num_attention_heads=heads, attention_head_dim=head_dim, ffn_dim=ffn,
+                                         num_layers=1, image_dim=1280, added_kv_proj_dim=inner,
+                                         inject_face_latents_blocks=1).eval()
+    hidden, context, temb, latents = _wan_inputs(args.batch, seq, inner, WAN_TEXT, WAN_IMAGE, grid, 36)
+    g = torch.Generator().manual_seed(2)
+    n = stock.config.face_encoder_num_heads + 1
+    motion = torch.randn(args.batch, grid[0], n, inner, generator=g)  # face encoder output, padded first frame
+
+    def face(model, out):
+        return model.face_adapter[0](out, motion) + out
+
+    shape = (f"Wan Animate 14B: {heads} x {head_dim} heads (dim {inner}, FFN {ffn}), one block + its face adapter, "
+             f"grid {grid} = {seq:,} video tokens ({_wan_px(grid)}, {4 * (grid[0] - 2) + 1} frames + reference), "
+             f"{WAN_TEXT} text + {WAN_IMAGE} image context tokens, {n} motion tokens per frame, batch {args.batch}, "
+             f"fp32, sparse block {args.block_size}")
+    return _wan_block_case(args, stock, "Wan Animate block + face adapter", shape, grid, hidden, context, temb,
+                           latents, extra=face)
+
+
+@family("wan-vace")
+def wan_vace_case(args) -> Case:
+    """One VACE context block (``vace_blocks[0]``: control tokens + video tokens in, hint out) and one Wan
+    block with the hint added, at Wan2.1-VACE-1.3B dims (12 x 128 heads, dim 1536, FFN 8960, vace_in_channels
+    96; 14B: 40 x 128, FFN 13824). 480 x 832 px, 33 frames: 9 x 30 x 52 = 14,040 tokens (81 frames would be
+    32,760: too slow for a 2-core run); 512 text tokens."""
+    from diffusers import WanVACETransformer3DModel
+
+    heads, head_dim, ffn = WAN_DIMS[_size(args, {"1.3b": None, "14b": None})]
+    inner = heads * head_dim
+    grid, seq = _wan_grid(args, (9, 30, 52))
+    torch.manual_seed(0)
+    stock = WanVACETransformer3DModel(num_attention_heads=heads, attention_head_dim=head_dim, ffn_dim=ffn,
+                                      num_layers=1, vace_layers=[0], vace_in_channels=96).eval()
+    hidden, context, temb, latents = _wan_inputs(args.batch, seq, inner, WAN_TEXT, 0, grid, 16)
+    control = torch.randn(args.batch, seq, inner, generator=torch.Generator().manual_seed(3))  # VACE patch embed
+    models, state, quantized = _variants(stock, args, sparse_ok=True)
+
+    def attention_fn(model):
+        vace, blk, rot = model.vace_blocks[0], model.blocks[0], model.rope(latents)
+        return lambda: (vace.attn1(control, None, None, rot) + vace.attn2(control, context, None, None)
+                        + blk.attn1(hidden, None, None, rot) + blk.attn2(hidden, context, None, None))
+
+    def block_fn(model):
+        vace, blk, rot = model.vace_blocks[0], model.blocks[0], model.rope(latents)
+
+        def run():
+            hint, _ = vace(hidden, context, control, temb, rot)
+            return blk(hidden, context, temb, rot) + hint
+        return run
+
+    attention, block = _cases(models, state, grid, attention_fn, block_fn)
+    rope = {k: (lambda m=models[k]: m.rope(latents)) for k in ("stock", "boosted")}
+    shape = (f"Wan VACE {args.size.upper()}: {heads} x {head_dim} heads (dim {inner}, FFN {ffn}), one VACE context "
+             f"block + one Wan block, grid {grid} = {seq:,} video tokens and as many control tokens "
+             f"({_wan_px(grid)}, {4 * (grid[0] - 1) + 1} frames), {WAN_TEXT} text tokens, batch {args.batch}, fp32, "
+             f"sparse block {args.block_size}")
+    return Case("Wan VACE blocks", shape, attention, block, rope, state, quantized)
+
+
+# --------------------------------------------------------------------------------------------- Flux.2
+# heads x head_dim, joint_attention_dim, guidance embedding (config.json of FLUX.2-dev, FLUX.2-klein-4B / -9B;
+# dev = diffusers' Flux2Transformer2DModel defaults: 8 double + 48 single blocks, mlp_ratio 3)
+FLUX2_SIZES = {"dev": (48, 128, 15360, True), "klein-4b": (24, 128, 7680, False), "klein-9b": (32, 128, 12288, False)}
+
+
+@family("flux2")
+def flux2_case(args) -> Case:
+    """A Flux.2 transformer with one dual-stream and one single-stream block at released dims, called as the
+    pipeline calls it (the boost's pre-hook passes the text length to the single block and serves the RoPE
+    tables, so the whole call is timed: embedders, RoPE, both blocks, output layer; no separate attention
+    part). [dev]: 48 x 128 heads (dim 6144), text 15360 -> 6144; [klein] 4B: 24 x 128 (3072), text 7680."""
+    from diffusers import Flux2Transformer2DModel
+    from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline
+
+    heads, head_dim, text_dim, guidance = FLUX2_SIZES[_size(args, FLUX2_SIZES)]
+    inner = heads * head_dim
+    grid = _grid(args, (1, 32, 32) if args.size == "dev" else (1, 64, 64))
+    if grid[0] != 1:
+        raise ValueError(f"--grid for flux2 must have 1 frame, got {args.grid!r}")
+    seq, text, batch = math.prod(grid), _text(args, 512), args.batch
+    torch.manual_seed(0)
+    stock = Flux2Transformer2DModel(num_layers=1, num_single_layers=1, attention_head_dim=head_dim,
+                                    num_attention_heads=heads, joint_attention_dim=text_dim,
+                                    guidance_embeds=guidance).eval()
+    models, state, quantized = _variants(stock, args, sparse_ok=True)
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(batch, stock.config.in_channels, grid[1], grid[2], generator=g)
+    hidden = latents.flatten(2).transpose(1, 2).contiguous()  # packed latents (B, h * w, 128)
+    context = torch.randn(batch, text, text_dim, generator=g)  # text encoder hidden states
+    img_ids = Flux2Pipeline._prepare_latent_ids(latents)
+    txt_ids = Flux2Pipeline._prepare_text_ids(context)
+    timestep = torch.full((batch,), 0.5)
+    kwargs = dict(hidden_states=hidden, encoder_hidden_states=context, timestep=timestep, img_ids=img_ids,
+                  txt_ids=txt_ids, return_dict=False)
+    if guidance:
+        kwargs["guidance"] = torch.full((batch,), 4.0)
+    block = {name: (lambda m=m: m(**kwargs)[0]) for name, m in models.items()}
+    shape = (f"Flux.2 [{args.size}]: {heads} x {head_dim} heads (dim {inner}), text {text_dim} -> {inner}, one "
+             f"dual-stream + one single-stream block in a whole transformer call, {grid[1] * 16} x {grid[2] * 16} px "
+             f"= {seq:,} image + {text} text tokens, batch {batch}, fp32, sparse block {args.block_size}")
+    return Case("Flux.2 transformer (1 + 1 blocks)", shape, {}, block, {}, state, quantized)
 
 
 # --------------------------------------------------------------------------------------------- runner
@@ -320,19 +563,37 @@ def _flat(out) -> torch.Tensor:
     return torch.cat([o.flatten(1) for o in out], dim=1) if isinstance(out, tuple) else out
 
 
-def _max_diff(outputs, reference="stock"):
-    ref = _flat(outputs[reference])
-    return {k: (_flat(out) - ref).abs().max().item() for k, out in outputs.items() if k != reference}
+def _errors(outputs, reference="stock"):
+    """variant -> (max abs difference, relative L2 error ||out - ref|| / ||ref||) of the block output vs stock."""
+    ref = _flat(outputs[reference]).double()
+    errs = {}
+    for k, out in outputs.items():
+        if k != reference:
+            d = _flat(out).double() - ref
+            errs[k] = (d.abs().max().item(), (d.norm() / ref.norm()).item())
+    return errs
+
+
+def cpu_model() -> str:
+    """``lscpu``'s model name, CPU family and model (the ratios depend on the CPU)."""
+    info = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, val = line.partition(":")
+            info.setdefault(key.strip(), val.strip())
+    except OSError:
+        return platform.processor()
+    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model {info.get('model', '?')})"
 
 
 def run(case: Case, args) -> tuple[str, dict]:
     load_before = os.getloadavg()
-    times = {part: {k: [] for k in fns} for part, fns in (("attention", case.attention), ("block", case.block),
-                                                         ("rope", case.rope))}
-    diffs = {}
+    parts = (("rope", case.rope), ("attention", case.attention), ("block", case.block))
+    times = {part: {k: [] for k in fns} for part, fns in parts}
+    errors = {}
     with torch.no_grad():
-        for rep in range(args.repeats + 1):  # repetition 0: warm-up, dropped (its block outputs give the diffs)
-            for part, fns in (("rope", case.rope), ("attention", case.attention), ("block", case.block)):
+        for rep in range(args.repeats + 1):  # repetition 0: warm-up, dropped (its block outputs give the errors)
+            for part, fns in parts:
                 outputs = {}
                 for name, fn in fns.items():
                     t, out = timed(fn)
@@ -341,7 +602,7 @@ def run(case: Case, args) -> tuple[str, dict]:
                     elif part == "block":
                         outputs[name] = out
                 if outputs:
-                    diffs = _max_diff(outputs)
+                    errors = _errors(outputs)
                 del outputs
             print(f"repetition {rep}: " + ", ".join(f"{p} {k} {v[-1]:.3f}s" for p, d in times.items()
                                                    for k, v in d.items() if v), flush=True)
@@ -352,29 +613,41 @@ def run(case: Case, args) -> tuple[str, dict]:
     rows = []
     for part in ("attention", "block", "rope"):
         if not times[part]:
-            continue  # no RoPE module (CogVideoX: the pipeline passes the tables in)
+            continue  # no RoPE module (CogVideoX: the pipeline passes the tables in) / no separate attention part
         base = median(times[part]["stock"])
         for name, ts in times[part].items():
             med = median(ts)
-            rows.append([part, name, f"{med:.4f}", f"{base / med:.3f}x", len(ts)])
+            err = errors.get(name) if part == "block" else None
+            rows.append([part, name, f"{med:.4f}", f"{base / med:.3f}x", len(ts),
+                         "" if err is None else f"{err[0]:.2e}", "" if err is None else f"{err[1]:.2e}"])
+    machine = cpu_model()
     text = "\n".join([
         f"### {case.title}: stock diffusers vs lite_boost (`benchmarks/bench_families.py {args.bench}`)",
         "",
         case.shape + ".",
         "",
-        markdown_table(["part", "variant", "median s", "speed-up vs stock", "runs"], rows),
+        "Variants (same weights, same process, interleaved, first repetition dropped): stock diffusers; boosted "
+        f"(dense); sparse {args.sparsity} (block-sparse self-attention, block {args.block_size}); int8 "
+        f"(`QuantConfig(\"int8_dynamic\")`, eager, {len(case.quantized)} Linear layers of the block(s)).",
         "",
-        f"max abs diff vs stock (block output): {', '.join(f'{k} {v:.2e}' for k, v in diffs.items())}"
-        + (f"; sparse effective sparsity {effective:.3f}" if effective is not None else ""),
-        f"{environment()}; load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min).",
+        markdown_table(["part", "variant", "median s", "speed-up vs stock", "runs", "max abs diff (block out)",
+                        "rel. L2 error (block out)"], rows),
+        "",
+        (f"sparse effective sparsity {effective:.3f}; " if effective is not None else "")
+        + f"CPU: {machine}; {environment()}; load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
+        "(1 min). Figures are for this CPU: on another CPU they change (MKL on AMD takes its AVX2 path; on an "
+        "Intel Xeon stock fp32 is about 2x faster).",
     ])
-    data = {"bench": args.bench, "shape": case.shape, "times": times, "max_abs_diff": diffs,
+    data = {"bench": args.bench, "size": args.size, "shape": case.shape, "cpu": machine, "times": times,
+            "max_abs_diff": {k: v[0] for k, v in errors.items()},
+            "rel_l2_error": {k: v[1] for k, v in errors.items()}, "quantized_layers": list(case.quantized),
             "effective_sparsity": effective, "load_before": load_before, "load_after": load_after,
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "repeats": args.repeats}
     return text, data
 
 
-DEFAULT_SIZES = {"ltx": "2b", "qwen-image": "20b", "flux": "dev", "cogvideox": "5b"}
+DEFAULT_SIZES = {"ltx": "2b", "qwen-image": "20b", "flux": "dev", "cogvideox": "5b", "chronoedit": "14b",
+                 "skyreels-v2": "1.3b", "wan-animate": "14b", "wan-vace": "1.3b", "flux2": "dev"}
 
 
 def main(argv=None):
@@ -382,7 +655,9 @@ def main(argv=None):
     ap.add_argument("bench", nargs="?", choices=sorted(BENCHES), default="ltx")
     ap.add_argument("--family", dest="bench", choices=sorted(BENCHES), help=argparse.SUPPRESS)
     ap.add_argument("--size", default=None, help="released model size (ltx: 2b, 13b; qwen-image: 20b; flux: dev; "
-                                                 "cogvideox: 5b); default the first")
+                                                 "cogvideox: 5b; chronoedit, wan-animate: 14b; skyreels-v2, "
+                                                 "wan-vace: 1.3b, 14b; flux2: dev, klein-4b, klein-9b); "
+                                                 "default the first")
     ap.add_argument("--grid", default=None, help="latent token grid frames,height,width (default per benchmark: "
                                                  "ltx 21,16,22; qwen-image and flux 1,64,64; cogvideox 4,30,45)")
     ap.add_argument("--text", type=int, default=None, help="text tokens (default ltx 128, qwen-image 256, flux 512, "
@@ -392,6 +667,7 @@ def main(argv=None):
     ap.add_argument("--sparsity", type=float, default=0.8)
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--no-sparse", action="store_true")
+    ap.add_argument("--no-int8", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="small grid (ltx 3,8,11 = 264 tokens), 2 repetitions")

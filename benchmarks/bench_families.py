@@ -1,24 +1,50 @@
-"""Per-family speed of one transformer block at a released model's dims: stock diffusers vs lite_boost.
+"""Per-family speed of one transformer block at a released model's dims: stock diffusers vs lite_boost
+(dense, block-sparse 0.8, int8 weights x int8 activations), all in one process.
 
-    flock /tmp/lite_boost_cpu.lock python benchmarks/bench_families.py ltx          # LTX 2B, 7,392 tokens
-    flock /tmp/lite_boost_cpu.lock python benchmarks/bench_families.py ltx --size 13b
-    flock /tmp/lite_boost_cpu.lock python benchmarks/bench_families.py qwen-image   # 4,096 image + 256 text tokens
-    flock /tmp/lite_boost_cpu.lock python benchmarks/bench_families.py flux         # 4,096 image + 512 text tokens
-    flock /tmp/lite_boost_cpu.lock python benchmarks/bench_families.py cogvideox    # 5B, 5,400 video + 226 text
-    python benchmarks/bench_families.py ltx --quick                                 # small shape, 2 reps
+    flock /work/heavy.lock python benchmarks/bench_families.py ltx          # LTX 2B, 7,392 tokens
+    flock /work/heavy.lock python benchmarks/bench_families.py ltx --size 13b
+    flock /work/heavy.lock python benchmarks/bench_families.py qwen-image   # 4,096 image + 256 text tokens
+    flock /work/heavy.lock python benchmarks/bench_families.py flux         # 4,096 image + 512 text tokens
+    flock /work/heavy.lock python benchmarks/bench_families.py cogvideox    # 5B, 5,400 video + 226 text
+    flock /work/heavy.lock python benchmarks/bench_families.py chronoedit   # 14B, 7,200 tokens (2-frame edit)
+    flock /work/heavy.lock python benchmarks/bench_families.py skyreels-v2  # 1.3B-540P, 18,360 tokens
+    flock /work/heavy.lock python benchmarks/bench_families.py wan-animate  # 14B, 7,800 tokens + face adapter
+    flock /work/heavy.lock python benchmarks/bench_families.py wan-vace     # 1.3B, 14,040 + 14,040 control
+    flock /work/heavy.lock python benchmarks/bench_families.py flux2        # [dev] 512 x 512 px; --size klein-4b
+    python benchmarks/bench_families.py ltx --quick                         # small token grid, 2 reps
 
-Benchmarks: ``ltx`` (LTX-Video 2B / 13B), ``qwen-image`` (Qwen-Image, 24 x 128 heads), ``flux``
-(Flux.1-dev, 24 x 128 heads: one dual-stream and one single-stream block), ``cogvideox``
-(CogVideoX-5B, 48 x 64 heads, the pipeline's 3-D RoPE).
+Benchmarks and the released dims they use (from each release's transformer config.json):
 
-Each benchmark registers a builder (:data:`BENCHES`, by name) that makes one block of the released model twice
-from the same weights, stock and boosted (and boosted with block-sparse self-attention for video
-families), plus the inputs the block receives inside the transformer. One repetition times, in this
-order, the attention modules of the block (what the processor shim replaces), then the whole block,
-for every variant (interleaved); the first repetition is a warm-up and is dropped. Also timed: the
-RoPE module once per transformer call (stock rebuilds its tables at every call, the boost serves
-them from its cache). Medians, ratios, the max abs difference boosted vs stock (fp32), threads and the
-load average before / after go to benchmarks/results/families_<bench>_<size>.{md,json}.
+* ``ltx``: LTX-Video 2B (32 x 64 heads) / 13B (32 x 128);
+* ``qwen-image``: Qwen-Image 20B (24 x 128 heads, text 3584 -> 3072);
+* ``flux``: Flux.1-dev (24 x 128 heads): one dual-stream and one single-stream block;
+* ``cogvideox``: CogVideoX-5B (48 x 64 heads), the pipeline's 3-D RoPE;
+* ``chronoedit``: ChronoEdit-14B (Wan2.1-I2V-14B: 40 x 128 heads, dim 5120, FFN 13824, CLIP image
+  cross-attention), the two-frame edit latent at 720 x 1280 px;
+* ``skyreels-v2``: SkyReels-V2-DF-1.3B-540P (12 x 128 heads, dim 1536, FFN 8960; ``--size 14b``: 40 x
+  128, FFN 13824), diffusion forcing (per-frame timesteps), 544 x 960 px, 33 frames;
+* ``wan-animate``: Wan2.2-Animate-14B (Wan2.1-I2V-14B dims) block + its face adapter, 480 x 832 px, 13
+  frames + the reference frame;
+* ``wan-vace``: Wan2.1-VACE-1.3B (12 x 128 heads; ``--size 14b``: 40 x 128) VACE context block + Wan
+  block, 480 x 832 px, 33 frames;
+* ``flux2``: Flux.2 [dev] (48 x 128 heads, dim 6144, text 15360; 512 x 512 px) / [klein] 4B (24 x 128,
+  text 7680; 1024 x 1024 px), a one dual + one single block transformer called whole.
+
+The video shapes of the Wan-based benches are shorter than a default generation (81 frames at 480p =
+32,760 tokens) where a 2-core CPU run of that would take minutes per block call; each docstring below
+says which shape and why.
+
+Each benchmark registers a builder (:data:`BENCHES`, by name) that makes one block of the released model
+(random weights, fp32) and its variants on the same weight tensors: stock, boosted (dense), boosted with
+block-sparse self-attention (``SparseConfig(sparsity=0.8)``) and boosted with ``QuantConfig("int8_dynamic")``
+(the family's default Linear layers, eager), plus the inputs the block receives inside the transformer.
+One repetition times, in this order, the RoPE module, the attention modules of the block (what the processor
+shim replaces), then the whole block, for every variant (interleaved); the first repetition is a warm-up
+and is dropped; its block outputs give each variant's max abs difference and relative L2 error
+(||out - stock|| / ||stock||, fp64) against stock. Medians, ratios, the effective sparsity, the CPU
+(model name, family, model), threads and the load average before / after go to
+benchmarks/results/families_<bench>_<size>.{md,json}. The figures are for the CPU they ran on: on another
+CPU they change (MKL on AMD takes its AVX2 path; on an Intel Xeon stock fp32 is about 2x faster).
 """
 
 from __future__ import annotations

@@ -6,13 +6,15 @@
 Generated:
 - ``docs/reference/cli.md``: every ``lite-boost`` command and option, from ``lite_boost.cli.build_parser()``;
 - ``docs/models/matrix.md``: the families x features matrix, from the registry's family records
-  (``lite_boost.registry.families()``, ``ModelFamily.describe()``);
+  (``lite_boost.registry.families()``, ``ModelFamily.describe()``), with one line per family from the
+  committed per-family block benchmark (``benchmarks/results/families_*.json``, ``bench_families.py``);
 - the compact families x features table in ``README.md``, between the ``families-matrix`` markers.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -33,6 +35,42 @@ FEATURE_TITLES = {
     "parallel_vae": "parallel VAE",
     "quant": "quantization",
 }
+
+
+# bench_families.py benchmark name -> registered family name (where they differ)
+BENCH_FAMILY = {}
+BENCH_VARIANTS = (("boosted", "dense"), ("sparse", "sparse 0.8"), ("int8", "int8"))
+
+
+def _bench_records() -> dict[str, dict]:
+    """family -> the committed ``bench_families.py`` result (stock vs dense / sparse / int8 in one run)."""
+    out = {}
+    for path in sorted((ROOT / "benchmarks" / "results").glob("families_*.json")):
+        data = json.loads(path.read_text())
+        if "rel_l2_error" not in data or path.stem.endswith("_quick"):
+            continue  # earlier runs without the int8 variant; quick shapes
+        out[BENCH_FAMILY.get(data["bench"], data["bench"])] = {**data, "file": path.name}
+    return out
+
+
+def _bench_line(data: dict | None) -> str:
+    if data is None:
+        return "- CPU block benchmark: not yet measured"
+    block = data["times"]["block"]
+
+    def med(ts):
+        ts = sorted(ts)
+        return ts[len(ts) // 2] if len(ts) % 2 else (ts[len(ts) // 2 - 1] + ts[len(ts) // 2]) / 2
+
+    base = med(block["stock"])
+    cells = []
+    for prefix, title in BENCH_VARIANTS:
+        name = next((k for k in block if k.startswith(prefix)), None)
+        if name is not None:
+            cells.append(f"{title} {base / med(block[name]):.2f}x (rel. L2 {data['rel_l2_error'][name]:.1e})")
+    return (f"- CPU block benchmark (one block at released dims, fp32, {data['threads']} threads, {data['cpu']}; "
+            f"[Per family](../benchmarks/families.md), `benchmarks/results/{data['file'][:-5]}.md`): stock "
+            f"{base:.2f} s; vs stock: {', '.join(cells)}")
 
 
 def _cell(text) -> str:
@@ -117,6 +155,7 @@ def render_matrix() -> str:
     for d in records:
         cells = ["yes" if d["features"][f] is None else "no" for f in features]
         lines.append(f"| `{d['family']}` | " + " | ".join(cells) + " |")
+    bench = _bench_records()
     for d in records:
         lines += ["", f"## `{d['family']}`", "",
                   f"- pipelines: {', '.join(f'`{p}`' for p in d['pipelines']) or 'none'}",
@@ -126,7 +165,8 @@ def render_matrix() -> str:
                   "- built-in tiny model (`lite-boost generate --family`): "
                   + (", ".join(f"{k} `{p}`" for k, p in d["tiny"].items()) or "none"),
                   f"- step caches: {', '.join(f'`{m}`' for m in d['cache_methods']) or 'none'}",
-                  f"- quantized by default: {', '.join(f'`{p}`' for p in d['quant_patterns']) or 'none'}"]
+                  f"- quantized by default: {', '.join(f'`{p}`' for p in d['quant_patterns']) or 'none'}",
+                  _bench_line(bench.get(d["family"]))]
         for feature, why in d["features"].items():
             if why is not None:
                 lines.append(f"- not supported: {FEATURE_TITLES.get(feature, feature)}: {why}")

@@ -11,6 +11,7 @@
     flock /work/heavy.lock python benchmarks/bench_families.py wan-animate  # 14B, 7,800 tokens + face adapter
     flock /work/heavy.lock python benchmarks/bench_families.py wan-vace     # 1.3B, 14,040 + 14,040 control
     flock /work/heavy.lock python benchmarks/bench_families.py flux2        # [dev] 512 x 512 px; --size klein-4b
+    flock /work/heavy.lock python benchmarks/bench_families.py ltx2         # 19B, 6,144 video + 126 audio tokens
     python benchmarks/bench_families.py ltx --quick                         # small token grid, 2 reps
 
 Benchmarks and the released dims they use (from each release's transformer config.json):
@@ -28,7 +29,9 @@ Benchmarks and the released dims they use (from each release's transformer confi
 * ``wan-vace``: Wan2.1-VACE-1.3B (12 x 128 heads; ``--size 14b``: 40 x 128) VACE context block + Wan
   block, 480 x 832 px, 33 frames;
 * ``flux2``: Flux.2 [dev] (48 x 128 heads, dim 6144, text 15360; 512 x 512 px) / [klein] 4B (24 x 128,
-  text 7680; 1024 x 1024 px), a one dual + one single block transformer called whole.
+  text 7680; 1024 x 1024 px), a one dual + one single block transformer called whole;
+* ``ltx2``: LTX-2 19B (video 32 x 128 heads, audio 32 x 64), a one-block transformer called whole, the
+  pipeline's default 512 x 768 px, 121 frames.
 
 The video shapes of the Wan-based benches are shorter than a default generation (81 frames at 480p =
 32,760 tokens) where a 2-core CPU run of that would take minutes per block call; each docstring below
@@ -94,7 +97,7 @@ def family(name):
 # --------------------------------------------------------------------------------------------- helpers
 QUICK_GRIDS = {"ltx": (3, 8, 11), "qwen-image": (1, 8, 11), "flux": (1, 8, 11), "cogvideox": (2, 6, 11),
                "chronoedit": (2, 6, 8), "skyreels-v2": (3, 6, 8), "wan-animate": (3, 6, 8), "wan-vace": (3, 6, 8),
-               "flux2": (1, 8, 11)}
+               "flux2": (1, 8, 11), "ltx2": (2, 4, 6)}
 
 
 def _size(args, sizes: dict) -> str:
@@ -583,6 +586,46 @@ def flux2_case(args) -> Case:
     return Case("Flux.2 transformer (1 + 1 blocks)", shape, {}, block, {}, state, quantized)
 
 
+# --------------------------------------------------------------------------------------------- LTX-2
+@family("ltx2")
+def ltx2_case(args) -> Case:
+    """An LTX-2 transformer with one audio-video block at the released LTX-2 19B dims (diffusers'
+    LTX2VideoTransformer3DModel defaults: video 32 x 128 heads, dim 4096; audio 32 x 64, dim 2048; text
+    3840 -> 4096 / 2048), called whole as the pipeline calls it (embedders, the four RoPE modules, the block's
+    six attentions, output layers; no separate attention part). The pipeline's default 512 x 768 px, 121
+    frames at 24 fps: 16 x 16 x 24 = 6,144 video tokens, 126 audio tokens; 1024 text tokens (100 real, left
+    padded)."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    _size(args, {"19b": None})
+    grid = _grid(args, (16, 16, 24))
+    seq, text, batch = math.prod(grid), _text(args, 1024), args.batch
+    audio = max(1, round((8 * (grid[0] - 1) + 1) / 24 * 16000 / 160 / 4))  # seconds x 16 kHz / hop 160 / 4
+    valid = min(args.valid_text, text)
+    torch.manual_seed(0)
+    stock = LTX2VideoTransformer3DModel(num_layers=1).eval()
+    models, state, quantized = _variants(stock, args, sparse_ok=True)
+    c = stock.config
+    g = torch.Generator().manual_seed(0)
+    mask = torch.zeros(batch, text, dtype=torch.long)
+    mask[:, text - valid:] = 1  # left padding
+    kwargs = dict(hidden_states=torch.randn(batch, seq, c.in_channels, generator=g),
+                  audio_hidden_states=torch.randn(batch, audio, c.audio_in_channels, generator=g),
+                  encoder_hidden_states=torch.randn(batch, text, c.caption_channels, generator=g),
+                  audio_encoder_hidden_states=torch.randn(batch, text, c.caption_channels, generator=g),
+                  timestep=torch.full((batch,), 700.0), encoder_attention_mask=mask,
+                  audio_encoder_attention_mask=mask.clone(), num_frames=grid[0], height=grid[1], width=grid[2],
+                  fps=24.0, audio_num_frames=audio, return_dict=False)
+    block = {name: (lambda m=m: m(**kwargs)) for name, m in models.items()}
+    inner, audio_inner = c.num_attention_heads * c.attention_head_dim, c.audio_num_attention_heads * c.audio_attention_head_dim
+    shape = (f"LTX-2 19B: video {c.num_attention_heads} x {c.attention_head_dim} heads (dim {inner}), audio "
+             f"{c.audio_num_attention_heads} x {c.audio_attention_head_dim} (dim {audio_inner}), one block in a whole "
+             f"transformer call, grid {grid} = {seq:,} video tokens ({grid[1] * 32} x {grid[2] * 32} px, "
+             f"{8 * (grid[0] - 1) + 1} frames), {audio} audio tokens, {text} text tokens ({valid} real), batch "
+             f"{batch}, fp32, sparse block {args.block_size}")
+    return Case("LTX-2 transformer (1 block)", shape, {}, block, {}, state, quantized)
+
+
 # --------------------------------------------------------------------------------------------- runner
 def _flat(out) -> torch.Tensor:
     """One tensor of a block's output (the streams of a (video, text) tuple side by side)."""
@@ -673,7 +716,7 @@ def run(case: Case, args) -> tuple[str, dict]:
 
 
 DEFAULT_SIZES = {"ltx": "2b", "qwen-image": "20b", "flux": "dev", "cogvideox": "5b", "chronoedit": "14b",
-                 "skyreels-v2": "1.3b", "wan-animate": "14b", "wan-vace": "1.3b", "flux2": "dev"}
+                 "skyreels-v2": "1.3b", "wan-animate": "14b", "wan-vace": "1.3b", "flux2": "dev", "ltx2": "19b"}
 
 
 def main(argv=None):
@@ -694,6 +737,8 @@ def main(argv=None):
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--no-sparse", action="store_true")
     ap.add_argument("--no-int8", action="store_true")
+    ap.add_argument("--block-only", action="store_true", help="time the whole block (and RoPE) only, not the "
+                                                              "attention modules separately (a shorter run)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="small grid (ltx 3,8,11 = 264 tokens), 2 repetitions")
@@ -704,6 +749,8 @@ def main(argv=None):
         args.grid, args.repeats = ",".join(map(str, QUICK_GRIDS[args.bench])), 2
     torch.set_num_threads(args.threads)
     case = BENCHES[args.bench](args)
+    if args.block_only:
+        case.attention = {}
     text, data = run(case, args)
     write(args.out or f"families_{args.bench}_{args.size}" + ("_quick" if args.quick else ""), text, data)
 

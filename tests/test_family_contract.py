@@ -185,6 +185,14 @@ def _wan_derived(family, frames=3, per_frame=False):
     return make
 
 
+def _minimax_h3():
+    import _tiny_minimax_h3 as mm
+
+    # one packed sequence of text, a keyframe condition, audio and 3 x 3 x 5 video tokens (the pipeline's layout)
+    return Row("minimax-h3", lambda dtype: mm.transformer(dtype=dtype),
+               _floats(lambda: mm.transformer_inputs(), keep=("timestep", "position_ids")), steps=(0.9, 0.6))
+
+
 def _generic():
     from _diffusers_tiny import build, inputs
 
@@ -210,6 +218,7 @@ ROWS = {
     "skyreels-v2": _wan_derived("skyreels-v2", per_frame=True),
     "wan-vace": _wan_derived("wan-vace"),
     "wan-animate": _wan_derived("wan-animate"),
+    "minimax-h3": _minimax_h3,
     "generic": _generic,
 }
 

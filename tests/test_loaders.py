@@ -326,7 +326,7 @@ def test_generic_lora_and_processor_swap_equal_stock(monkeypatch):
 # ------------------------------------------------------------------------- every family: LoRA on the model
 FAMILY_MODELS = ["WanTransformer3DModel", "FluxTransformer2DModel", "QwenImageTransformer2DModel",
                  "HunyuanVideoTransformer3DModel", "LTXVideoTransformer3DModel", "CogVideoXTransformer3DModel",
-                 "HunyuanVideo15Transformer3DModel", "LTX2VideoTransformer3DModel"]
+                 "HunyuanVideo15Transformer3DModel", "LTX2VideoTransformer3DModel", "MiniMaxH3Transformer3DModel"]
 
 
 @pytest.mark.parametrize("name", FAMILY_MODELS)

@@ -1,0 +1,68 @@
+"""Tiny random-weight MiniMax-H3 transformers and the packed inputs of one call (one process and spawned ranks).
+
+The packed layout comes from diffusers' own modular-pipeline steps (``MiniMaxH3PrepareLayoutStep.
+build_packed_sequence``: ``[text | keyframe conditions | target audio | target video]``, and
+``MiniMaxH3SetTimestepsStep.build_row_timesteps``), so the position ids, modality tags and per-row timesteps
+are the pipeline's. Sizes are awkward on purpose: 3 heads, odd token counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TinyMiniMaxSpec:
+    """diffusers' MiniMax-H3 model-test sizes with 3 heads (heads x head_dim 48 != hidden 24, partial rotary)."""
+
+    heads: int = 3
+    head_dim: int = 16
+    hidden: int = 24
+    layers: int = 2
+    refiner_layers: int = 2
+    in_channels: int = 4
+    audio_channels: int = 6
+    text_dim: int = 8
+    rope_freq_dim: int = 2
+
+
+def transformer(spec: TinyMiniMaxSpec = TinyMiniMaxSpec(), seed: int = 0, dtype=torch.float32):
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    torch.manual_seed(seed)
+    model = MiniMaxH3Transformer3DModel(
+        num_attention_heads=spec.heads, attention_head_dim=spec.head_dim, hidden_size=spec.hidden,
+        num_layers=spec.layers, num_refiner_layers=spec.refiner_layers, ffn_dim=32, in_channels=spec.in_channels,
+        audio_in_channels=spec.audio_channels, patch_size=(1, 2, 2), text_dim=spec.text_dim, freq_dim=8,
+        time_embed_hidden_dim=24, time_embed_dim=16, rope_freq_dim=spec.rope_freq_dim)
+    return (model if dtype == torch.float32 else model.to(dtype)).eval()
+
+
+def layout(frames=3, height=6, width=10, text=5, audio_latents=3, anchors=("first",)):
+    """The pipeline's packed layout: a dict of position_ids, token_tags and the three index tensors, plus
+    ``num_condition_rows``. height / width are latent sizes (patch 2 x 2): 3 x 5 tokens a frame."""
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
+
+    tags = torch.ones(text, dtype=torch.long)
+    pos, tags, vid, aud, txt, n_cond, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+        tags, frames, height, width, audio_latents, (1, 2, 2), audio_channels=2, audio_tag=2, video_tag=0,
+        keyframe_anchors=tuple(anchors))
+    return dict(position_ids=pos.to(torch.float32), token_tags=tags, video_indices=vid, audio_indices=aud,
+                text_indices=txt), n_cond
+
+
+def transformer_inputs(spec: TinyMiniMaxSpec = TinyMiniMaxSpec(), *, batch=1, seed=0, t=0.7, **shape):
+    """The keyword arguments of one transformer call on the pipeline's layout (random latents and text)."""
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
+
+    lay, n_cond = layout(**shape)
+    g = torch.Generator().manual_seed(seed)
+    n_vid, n_aud, n_txt = (lay[k].numel() for k in ("video_indices", "audio_indices", "text_indices"))
+    timestep, timestep_indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
+        lay["video_indices"], lay["audio_indices"], n_cond, 0, n_txt, t, t * 0.8, max(t, 0.9), 1.0)
+    return dict(hidden_states=torch.randn(batch, n_vid, spec.in_channels * 4, generator=g),
+                audio_hidden_states=torch.randn(batch, n_aud, spec.audio_channels, generator=g),
+                encoder_hidden_states=torch.randn(batch, n_txt, spec.text_dim, generator=g),
+                timestep=timestep.to(torch.float32), timestep_indices=timestep_indices, **lay)

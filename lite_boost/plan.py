@@ -442,6 +442,13 @@ def _resolve_cfg(draft: Draft):
             f"cfg_degree={draft.cfg_degree} needs a pipeline that runs classifier-free guidance; "
             f"{draft.target_class} is not one. Valid cfg_degree here: [1]"
         )
+    if (getattr(draft.family, "name", None) == "generic" and cfg_plan.kind == "separate" and cfg_plan.flag is not None
+            and not hasattr(type(draft.target), cfg_plan.flag)):
+        raise ConfigError(
+            f"cfg_degree={draft.cfg_degree}: {draft.target_class} runs on lite_boost's generic pipeline path, whose CFG "
+            f"split reads the pipeline's {cfg_plan.flag!r} to know when guidance runs, and {draft.target_class} has "
+            "none (it decides in a local variable), so nothing would be split. Valid cfg_degree here: [1] (use the "
+            "ranks for sequence parallelism: ulysses_degree / ring_degree)")
     from .parallel.manager import check_cfg
 
     check_cfg(draft.target, draft.pipeline, draft.cfg_degree)

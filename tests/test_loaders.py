@@ -482,3 +482,22 @@ def test_controlnet_takes_the_attention_settings_only():
     cfg = lite_boost.BoostConfig.coerce({"attention_backend": "sdpa", "rope_cache_size": 4, "cache": "first_block_cache",
                                          "sparse": {"sparsity": 0.5}, "quant": "int8_weight_only"})
     assert controlnet_config(cfg) == lite_boost.BoostConfig(attention_backend="sdpa", rope_cache_size=4)
+
+
+@pytest.mark.parametrize("kind", ["flux", "qwen"])
+def test_controlnet_pipeline_cfg_parallel_refused_at_planning(kind, monkeypatch):
+    """cfg_degree 2 on a ControlNet pipeline (the generic pipeline path, which has no CFG plan for it: the pipeline
+    keeps its guidance decision in a local variable) is refused by the planner, before any collective."""
+    import _tiny_controlnet as tc
+
+    from lite_boost.api import is_boosted
+    from lite_boost.plan import make_plan
+
+    for k, v in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    pipe = tc.pipeline(kind)
+    with pytest.raises(lite_boost.ConfigError, match=r"cfg_degree=2: .*ControlNetPipeline runs on lite_boost's generic "
+                                                     r"pipeline path.*Valid cfg_degree here: \[1\]"):
+        make_plan(pipe, {"parallel": {"cfg_degree": 2}}, parallel=True)
+    assert not is_boosted(pipe)
+    make_plan(pipe, {"parallel": {"cfg_degree": 1}}, parallel=True)  # sequence parallel: planned

@@ -134,6 +134,7 @@ _output_shape = packed_output_shape  # (B, image tokens, patch * patch * out_cha
 
 QWEN_SHARDING_PLAN = ShardingPlan(
     split_inputs=(
+        SplitInput("", "controlnet_block_samples", dim=1),  # ControlNet residuals (a list of image-token tensors)
         SplitInput("transformer_blocks.0", "hidden_states", dim=1),  # image tokens after img_in
         SplitInput("transformer_blocks.*", "modulate_index", dim=1, ndim=2),  # Edit-2511: per-token modulation
     ),

@@ -149,7 +149,7 @@ def table(classes: dict, header: str = "") -> str:
         path = row["path"] or "?"
         if path.startswith("refused"):
             path = "refused"
-        regs = "; ".join(f"`{n.split('::')[-1]}` ({st}: {msg.replace('|', '/')[:120]})"
+        regs = "; ".join(f"`{'::'.join(n.split('::')[1:])}` ({st}: {msg.replace('|', '/')[:120]})"
                          for n, st, msg in row["regressions"]) or "none"
         if path == "refused":
             lines.append(f"| {cls} | refused | {row['tests']} | {row['stock']} | - | not run boosted |")

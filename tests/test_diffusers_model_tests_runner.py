@@ -86,4 +86,4 @@ def test_runner_reports_regressions_per_class(tmp_path):
     assert (row["path"], row["tests"], row["stock"], row["boosted"]) == ("generic", 3, 2, 1)
     assert row["regressions"] == [(node + "test_b", "failed", "AssertionError: outputs differ")]
     text = run.table(run.collect(args, files))
-    assert "| XModel | generic | 3 | 2 | 1 | `test_b` (failed: AssertionError: outputs differ) |" in text
+    assert "| XModel | generic | 3 | 2 | 1 | `TestX::test_b` (failed: AssertionError: outputs differ) |" in text

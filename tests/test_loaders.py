@@ -190,6 +190,36 @@ def test_processor_dict_of_the_wrong_length_is_a_value_error_as_on_stock():
     assert dict(model.attn_processors) == procs
 
 
+@torch.no_grad()
+def test_fusing_that_swaps_processors_is_refused_before_the_projections_fuse():
+    """CogVideoX's fuse_qkv_projections fuses the projections, then swaps in diffusers' fused processors: on a
+    family-boosted model it is refused before the fusion (no to_qkv appears, the output stays stock's); a model
+    whose fusion swaps nothing (Flux.1) fuses boosted and still equals stock."""
+    import _tiny_cogvideox as T
+    import _tiny_flux as TF
+
+    spec = T.TinyCogSpec()
+    x = T.transformer_inputs(spec)
+    stock, model = T.tiny_transformer(spec), lite_boost.boost(T.tiny_transformer(spec))
+    ref = stock(**x, return_dict=False)[0]
+    with pytest.raises(LoaderError, match=r"fuse_qkv_projections \(which swaps in diffusers' fused attention "
+                                          r"processors\): CogVideoXTransformer3DModel is boosted by lite_boost "
+                                          r"\(the cogvideox family\)"):
+        model.fuse_qkv_projections()
+    assert not any(hasattr(m, "to_qkv") or getattr(m, "fused_projections", False) for m in model.modules())
+    assert _diff(model(**x, return_dict=False)[0], ref) <= TOL
+    lite_boost.unboost(model)
+    model.fuse_qkv_projections()  # the stock model fuses as before
+    assert _diff(model(**x, return_dict=False)[0], ref) <= 1e-4
+
+    fx = TF.transformer_inputs()
+    stock, model = TF.transformer(), lite_boost.boost(TF.transformer())
+    ref = stock(**fx, return_dict=False)[0]
+    model.fuse_qkv_projections()
+    assert any(getattr(m, "fused_projections", False) for m in model.modules())
+    assert _diff(model(**fx, return_dict=False)[0], ref) <= 1e-4
+
+
 # ------------------------------------------------------------------------------------- Flux IP-Adapter
 @torch.no_grad()
 def test_flux_ip_adapter_on_boosted_pipeline_is_refused_before_anything_changes():

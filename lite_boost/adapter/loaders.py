@@ -13,7 +13,8 @@ naming the boost option and what to do:
   branch over the quantized base).
 * a processor swap (``set_attn_processor``, ``set_default_attn_processor``, an IP-Adapter's
   ``_load_ip_adapter_weights``, an attention site's own ``set_processor``, as Flux2KleinKVPipeline does per
-  block) on a model boosted by a named family: its attention runs lite_boost's
+  block, a ``fuse_qkv_projections`` that ends in ``set_attn_processor``, as CogVideoX's does: refused before
+  the projections are fused) on a model boosted by a named family: its attention runs lite_boost's
   processor shims, which a swap would drop silently (and unboost would then drop the user's processors).
   On the generic path the swap is taken: the new processors go through lite_boost's attention backend
   as the old ones did (diffusers' processors keep doing the projections, norms and RoPE). An IP-Adapter
@@ -44,7 +45,7 @@ SITE_GUARDS_KEY = "site_processor_guards"  # family attention sites: module name
 AFTER_SWAP_KEY = "after_processor_swap"  # state.extras: fn(model, state) run after a processor swap was taken
 _PIPELINE_TRANSFORMERS = ("transformer", "transformer_2")
 _MODEL_METHODS = ("load_lora_adapter", "fuse_lora", "unfuse_lora", "set_attn_processor", "set_attention_backend",
-                  "reset_attention_backend", "_load_ip_adapter_weights")
+                  "reset_attention_backend", "_load_ip_adapter_weights", "fuse_qkv_projections")
 _PIPELINE_METHODS = ("load_lora_weights", "fuse_lora", "unfuse_lora", "load_ip_adapter")
 
 
@@ -113,6 +114,25 @@ def _check_ip_adapter(model, what: str) -> None:
         "lite_boost.unboost(pipe), load the IP-Adapter and boost again")
 
 
+@functools.lru_cache(maxsize=None)
+def _fuse_swaps_processors(cls: type) -> bool:
+    """Whether ``cls.fuse_qkv_projections`` ends in a processor swap (CogVideoX and other older models fuse the
+    projections, then ``set_attn_processor`` diffusers' fused processors; newer ones only fuse the projections)."""
+    import inspect
+
+    try:
+        return "set_attn_processor(" in inspect.getsource(cls.fuse_qkv_projections)
+    except (OSError, TypeError):
+        return False
+
+
+def _check_fuse_qkv(model, what: str) -> None:
+    """Refuse, before the projections are fused, a fusion whose last step is a refused processor swap."""
+    state = _state(model)
+    if state is not None and _is_family(state) and _fuse_swaps_processors(type(model)):
+        _check_processor_swap(model, f"{what} (which swaps in diffusers' fused attention processors)")
+
+
 def _call(model, name, prior, args, kwargs):
     if prior is not None:
         return prior(*args, **kwargs)
@@ -165,7 +185,8 @@ _GUARDS = {"load_lora_adapter": _guarded("load_lora_adapter", _check_sharded),
            "set_attn_processor": _set_attn_processor,
            "set_attention_backend": _guarded("set_attention_backend", _check_backend_switch),
            "reset_attention_backend": _guarded("reset_attention_backend", _check_backend_switch),
-           "_load_ip_adapter_weights": _guarded("_load_ip_adapter_weights", _check_ip_adapter, "load_ip_adapter")}
+           "_load_ip_adapter_weights": _guarded("_load_ip_adapter_weights", _check_ip_adapter, "load_ip_adapter"),
+           "fuse_qkv_projections": _guarded("fuse_qkv_projections", _check_fuse_qkv)}
 
 
 def _install(obj, names, guards, store: dict) -> None:

@@ -12,14 +12,15 @@ naming the boost option and what to do:
   unboost, fuse, boost again. Unfused LoRA layers on quantized base layers run (full-precision LoRA
   branch over the quantized base).
 * a processor swap (``set_attn_processor``, ``set_default_attn_processor``, an IP-Adapter's
-  ``_load_ip_adapter_weights``, an attention site's own ``set_processor``, as Flux2KleinKVPipeline does per
-  block, a ``fuse_qkv_projections`` that ends in ``set_attn_processor``, as CogVideoX's does: refused before
-  the projections are fused) on a model boosted by a named family: its attention runs lite_boost's
-  processor shims, which a swap would drop silently (and unboost would then drop the user's processors).
+  ``_load_ip_adapter_weights``, a ``fuse_qkv_projections`` that ends in ``set_attn_processor``, as CogVideoX's
+  does: refused before the projections are fused) on a model boosted by a named family: its attention runs
+  lite_boost's processor shims, which a swap would drop silently (and unboost would then drop the user's processors).
   On the generic path the swap is taken: the new processors go through lite_boost's attention backend
   as the old ones did (diffusers' processors keep doing the projections, norms and RoPE). An IP-Adapter
   loaded *before* boosting is taken that way: the generic path claims a model whose processors carry weights
-  (``lite_boost.registry`` ``takes_over``), so Flux with an IP-Adapter is boosted generically.
+  (``lite_boost.registry`` ``takes_over``), so Flux with an IP-Adapter is boosted generically. One attention
+  module's own ``set_processor`` is not guarded (diffusers' tests and Flux2KleinKVPipeline call it): that layer
+  then runs the processor it was given, unboosted (Flux.2 hands such layers diffusers' own RoPE tables).
 * ``load_lora_weights`` / ``load_lora_adapter`` / ``fuse_lora`` on a model whose weights ParallelManager split
   (tensor parallelism, FSDP2): the LoRA's layers are made for whole weights. Load LoRAs before ParallelManager.
 * ``set_attention_backend`` / ``reset_attention_backend``: lite_boost chose the backend
@@ -41,7 +42,6 @@ __all__ = ["AFTER_SWAP_KEY", "LoaderError", "install_loader_guards", "uninstall_
            "uninstall_pipeline_guards"]
 
 GUARDS_KEY = "loader_guards"
-SITE_GUARDS_KEY = "site_processor_guards"  # family attention sites: module name -> its set_processor guard
 AFTER_SWAP_KEY = "after_processor_swap"  # state.extras: fn(model, state) run after a processor swap was taken
 _PIPELINE_TRANSFORMERS = ("transformer", "transformer_2")
 _MODEL_METHODS = ("load_lora_adapter", "fuse_lora", "unfuse_lora", "set_attn_processor", "set_attention_backend",
@@ -209,34 +209,15 @@ def _uninstall(obj, store: dict) -> None:
     store.clear()
 
 
-def _site_set_processor(model, name: str, *args, **kwargs):
-    """The guard of one family attention site's own ``set_processor`` (what Flux2KleinKVPipeline calls per block)."""
-    _check_processor_swap(model, f"set_processor on {name!r}")
-    module = model.get_submodule(name)
-    return type(module).set_processor(module, *args, **kwargs)
-
-
 def install_loader_guards(model, state) -> None:
-    """Put the guards on a boosted model (instance attributes; ``state.extras`` keeps what to remove); on a
-    model of a named family, each attention site's ``set_processor`` is guarded too."""
+    """Put the guards on a boosted model (instance attributes; ``state.extras`` keeps what to remove)."""
     store: dict = {}
     _install(model, _MODEL_METHODS, _GUARDS, store)
     state.extras[GUARDS_KEY] = store
-    if _is_family(state):
-        sites = {}
-        for name in getattr(state, "processors", {}):
-            module = model.get_submodule(name)
-            if "set_processor" not in module.__dict__ and callable(getattr(type(module), "set_processor", None)):
-                module.__dict__["set_processor"] = sites[name] = functools.partial(_site_set_processor, model, name)
-        state.extras[SITE_GUARDS_KEY] = sites
 
 
 def uninstall_loader_guards(model, state) -> None:
     _uninstall(model, state.extras.pop(GUARDS_KEY, {}))
-    for name, guard in state.extras.pop(SITE_GUARDS_KEY, {}).items():
-        module = model.get_submodule(name)
-        if module.__dict__.get("set_processor") is guard:
-            del module.__dict__["set_processor"]
 
 
 # ------------------------------------------------------------------------------------------ pipelines

@@ -18,7 +18,9 @@ What varies for this family, as data (:data:`FLUX2`) plus two processor shims an
   tensors (or the model's first-sample views of them), kept as ``BoostState.call``; cached by identity
   and version.
 * reference-image KV caching (``kv_cache_mode``, Flux.2 [klein] KV): diffusers' KV processors run it on
-  one process with dense attention; refused under sequence parallelism and sparse attention.
+  one process with dense attention; refused under sequence parallelism and sparse attention. Processors set
+  on the sites after boosting (Flux2KleinKVPipeline sets diffusers' KV processors block by block) get
+  diffusers' own (cos, sin) RoPE tables: the call then skips the cached form.
 * sequence parallelism: image tokens split at ``transformer_blocks.0``, text replicated (any length),
   gathered after ``proj_out``; the modulation is one vector per sample (nothing per token to split).
 * CFG: Flux.2 [dev] (``Flux2Pipeline``) is guidance-distilled (no CFG); Flux.2 [klein] runs two
@@ -69,7 +71,19 @@ def _call_args(model, args, kwargs):
     return (), kwargs
 
 
-def _call_context(model, args, kwargs) -> Flux2Call:
+def _foreign_processors(model) -> bool:
+    """Whether an attention site runs a processor set on it after boosting (``attn.set_processor``, as
+    Flux2KleinKVPipeline does with diffusers' KV processors): those read diffusers' (cos, sin) tables."""
+    state = getattr(model, "_lite_boost", None)
+    return state is not None and any(model.get_submodule(name).processor is not proc
+                                     for name, proc in state.processors.items())
+
+
+def _call_context(model, args, kwargs) -> Flux2Call | None:
+    """The call's ids; None (diffusers' own RoPE tables, which lite_boost's processors read too) when a site runs
+    a processor of its own (checked in eager code; a compiled whole model assumes lite_boost's processors)."""
+    if not torch.compiler.is_compiling() and _foreign_processors(model):
+        return None
     return Flux2Call(kwargs.get("txt_ids"), kwargs.get("img_ids"))
 
 

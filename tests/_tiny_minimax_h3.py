@@ -66,3 +66,37 @@ def transformer_inputs(spec: TinyMiniMaxSpec = TinyMiniMaxSpec(), *, batch=1, se
                 audio_hidden_states=torch.randn(batch, n_aud, spec.audio_channels, generator=g),
                 encoder_hidden_states=torch.randn(batch, n_txt, spec.text_dim, generator=g),
                 timestep=timestep.to(torch.float32), timestep_indices=timestep_indices, **lay)
+
+
+def pipeline_transformer(seed: int = 0, dtype=torch.float32):
+    """A tiny transformer with the channels the modular pipeline draws without a VAE (24 video, 32 audio)."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    torch.manual_seed(seed)
+    model = MiniMaxH3Transformer3DModel(
+        num_attention_heads=3, attention_head_dim=16, hidden_size=24, num_layers=2, num_refiner_layers=1, ffn_dim=32,
+        in_channels=24, audio_in_channels=32, patch_size=(1, 2, 2), text_dim=8, freq_dim=8, time_embed_hidden_dim=24,
+        time_embed_dim=16, rope_freq_dim=2)
+    return (model if dtype == torch.float32 else model.to(dtype)).eval()
+
+
+def pipeline(seed: int = 0, dtype=torch.float32):
+    """diffusers' t2va core denoise workflow (``MiniMaxH3CoreDenoiseStep``: layout, noise, per-row timesteps, the
+    denoising loop, unpacking) as a ``MiniMaxH3ModularPipeline`` on a tiny transformer: no text encoder (prompt
+    embeddings passed in) and no VAEs (it returns latents)."""
+    from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3CoreDenoiseStep
+    from diffusers.schedulers import MiniMaxH3Scheduler
+
+    pipe = MiniMaxH3CoreDenoiseStep().init_pipeline()
+    pipe.update_components(transformer=pipeline_transformer(seed, dtype), scheduler=MiniMaxH3Scheduler(shift=12.0),
+                           audio_scheduler=MiniMaxH3Scheduler(shift=3.0))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def call_kwargs(*, text=6, height=64, width=96, steps=3, seed=0):
+    """One t2va request: 124 frames (5 s, the shortest) = 37 latent frames of 2 x 3 tokens, 414 audio rows."""
+    g = torch.Generator().manual_seed(seed + 1)
+    return dict(prompt_embeds=torch.randn(1, text, 8, generator=g), text_token_tags=torch.ones(text, dtype=torch.long),
+                height=height, width=width, num_frames=124, num_inference_steps=steps,
+                generator=torch.Generator().manual_seed(seed), output=["latents", "audio_latents"])

@@ -183,6 +183,61 @@ def test_block_cache_methods_are_refused_with_the_reason():
             lite_boost.boost(mm.transformer(), {"cache": cache})
 
 
+@torch.no_grad()
+def test_default_quantization_is_the_linear_layers_of_the_blocks_and_the_token_refiner():
+    """int8 dynamic quantization by default: every Linear of the transformer blocks and of the token refiner
+    blocks (the model's _repeated_blocks), nothing else; the output stays close to stock and unboost restores it."""
+    import lite_boost.quant as Q
+
+    x = mm.transformer_inputs()
+    stock = mm.transformer()
+    ref = stock(**x, return_dict=False)[0]
+    model = lite_boost.boost(mm.transformer(), {"quant": "int8_dynamic"})
+    layers = set(Q.quant_state(model).layers)
+    want = {n for n, m in stock.named_modules() if isinstance(m, torch.nn.Linear)
+            and (n.startswith("transformer_blocks.") or n.startswith("token_refiner.refiner_blocks."))}
+    assert layers == want and any(n.startswith("token_refiner.") for n in layers)
+    got = model(**x, return_dict=False)[0]
+    assert ((got - ref).norm() / ref.norm()).item() < 0.05
+    lite_boost.unboost(model)
+    assert torch.equal(model(**x, return_dict=False)[0], ref)
+
+
+# ------------------------------------------------------------------------------------------ the modular pipeline
+def _latents(pipe, **kw):
+    out = pipe(**mm.call_kwargs(**kw))
+    return out["latents"], out["audio_latents"]
+
+
+def test_boosted_modular_pipeline_equals_stock_and_sparsity_zero_too():
+    """diffusers' t2va core denoise workflow (a MiniMaxH3ModularPipeline, prompt embeddings in, latents out):
+    boost(pipe) = stock on both latents; sparsity 0 = stock with the grid and lead read from the pipeline's layout
+    (6 text + 414 audio rows in front of 37 x 2 x 3 video tokens)."""
+    ref = _latents(mm.pipeline())
+    pipe = lite_boost.boost(mm.pipeline())
+    assert pipe.transformer._lite_boost.family is MINIMAX_H3
+    assert _diff(_latents(pipe), ref) <= TOL
+    lite_boost.unboost(pipe)
+    assert _diff(_latents(pipe), ref) == 0
+    zero = lite_boost.boost(mm.pipeline(), _sparse(0.0))
+    assert _diff(_latents(zero), ref) <= TOL
+    st = zero.transformer._lite_boost.extras["sparse"]
+    assert (st.grid, st.lead) == ((37, 2, 3), 6 + 414)
+    sparse = lite_boost.boost(mm.pipeline(), _sparse(0.5))
+    assert _diff(_latents(sparse), ref) > 1e-5
+    assert {e.path for e in sparse.transformer._lite_boost.extras["sparse"].events} == {"sparse"}
+
+
+def test_modular_pipeline_refusals_name_the_reason():
+    from lite_boost import ConfigError
+    from lite_boost.parallel import ParallelManager
+
+    with pytest.raises(ConfigError, match="without cache_context"):
+        lite_boost.boost(mm.pipeline(), {"cache": "taylorseer_cache"})
+    with pytest.raises(ConfigError, match="cfg_degree"):
+        ParallelManager(mm.pipeline(), {"parallel": {"cfg_degree": 2}})
+
+
 def test_family_is_registered_with_its_features():
     from lite_boost.registry import family_of
 

@@ -22,7 +22,8 @@ What varies for this family, as data (:data:`MINIMAX_H3`) plus one processor shi
   target video is the tail of the sequence, a (frames, h, w) raster read from ``position_ids`` (eager
   code only). Everything in front of it (text, conditioning frames, audio) is the ``lead`` the block-
   sparse kernel keeps dense in both directions.
-* CFG: the checkpoint is guidance-distilled; its modular pipeline makes one transformer call per step.
+* CFG: the checkpoint is guidance-distilled; its modular pipeline (``MiniMaxH3ModularPipeline``, transformers
+  ``transformer`` and ``transformer_ref``) makes one transformer call per step, without ``cache_context``.
 """
 
 from __future__ import annotations
@@ -194,11 +195,14 @@ MINIMAX_H3_CACHE_ADAPTER = CacheAdapter(
                              "(one call per step)",
              "sea_cache": SEA_CACHE_WHY_NOT},
     probe_module="proj_in",
+    refuse_pipelines={"MiniMaxH3ModularPipeline": "its denoise loop calls the transformer without cache_context, which "
+                                                  "diffusers' cache hooks need (stock diffusers fails there too)"},
 )
 
 MINIMAX_H3 = register_family(ModelFamily(
     name="minimax-h3",
     transformers=("MiniMaxH3Transformer3DModel",),
+    pipelines=("MiniMaxH3ModularPipeline",),
     attention=(AttentionSite("transformer_blocks.*.attn", MiniMaxH3Processor),
                AttentionSite("token_refiner.refiner_blocks.*.attn", MiniMaxH3Processor, role="cross")),
     joint="packed",
@@ -209,7 +213,9 @@ MINIMAX_H3 = register_family(ModelFamily(
     pipeline=MINIMAX_H3_PIPELINE_PLAN,
     cache=MINIMAX_H3_CACHE_ADAPTER,
     quant_patterns=("transformer_blocks.*", "token_refiner.refiner_blocks.*"),
-    unsupported={"cfg_parallel": "the checkpoint is guidance-distilled: one transformer call per step, no CFG to split"},
+    unsupported={"cfg_parallel": "the checkpoint is guidance-distilled: one transformer call per step, no CFG to split",
+                 "parallel_vae": "AutoencoderKLMiniMaxH3 has no parallel-VAE adapter (a ViT decoder attending whole "
+                                 "clips; clips cross-faded in time); each rank decodes the video, the audio VAE too"},
     notes="text, audio and video rows share one packed self-attention sequence (sharded together); the token "
           "refiner runs whole on every rank",
     output="video",

@@ -138,6 +138,11 @@ def collect(args, files) -> dict:
     return classes
 
 
+def refusal(message: str) -> bool:
+    """Whether a boosted failure is lite_boost refusing the call (a LoaderError raised before anything changed)."""
+    return message.startswith(("lite_boost.errors.LoaderError", "LoaderError"))
+
+
 def table(classes: dict, header: str = "") -> str:
     lines = [header, "",
              "| class | path | tests | passed stock | passed boosted | regressions |",
@@ -149,15 +154,18 @@ def table(classes: dict, header: str = "") -> str:
         path = row["path"] or "?"
         if path.startswith("refused"):
             path = "refused"
-        regs = "; ".join(f"`{'::'.join(n.split('::')[1:])}` ({st}: {msg.replace('|', '/')[:120]})"
-                         for n, st, msg in row["regressions"]) or "none"
+        regs = "; ".join(f"`{'::'.join(n.split('::')[1:])}` ({'refusal' if refusal(msg) else st}: "
+                         f"{msg.replace('|', '/')[:120]})" for n, st, msg in row["regressions"]) or "none"
         if path == "refused":
             lines.append(f"| {cls} | refused | {row['tests']} | {row['stock']} | - | not run boosted |")
             continue
         lines.append(f"| {cls} | {path} | {row['tests']} | {row['stock']} | {row['boosted']} | {regs} |")
         totals = [a + b for a, b in zip(totals, (row["tests"], row["stock"], row["boosted"], len(row["regressions"])))]
     claimed = sum(1 for r in classes.values() if not (r["path"] or "").startswith("refused"))
-    lines.append(f"| **{claimed} classes boosted** | | {totals[0]} | {totals[1]} | {totals[2]} | {totals[3]} |")
+    refusals = sum(refusal(m) for r in classes.values() if not (r["path"] or "").startswith("refused")
+                   for _, _, m in r["regressions"])
+    lines.append(f"| **{claimed} classes boosted** | | {totals[0]} | {totals[1]} | {totals[2]} | "
+                 f"{totals[3]} ({refusals} refusals, {totals[3] - refusals} other) |")
     refused = {c: r["path"] for c, r in classes.items() if (r["path"] or "").startswith("refused")}
     if refused:
         lines += ["", "Refused classes (lite_boost does not claim them; their tests ran stock only):", ""]

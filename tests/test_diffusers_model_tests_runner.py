@@ -87,3 +87,4 @@ def test_runner_reports_regressions_per_class(tmp_path):
     assert row["regressions"] == [(node + "test_b", "failed", "AssertionError: outputs differ")]
     text = run.table(run.collect(args, files))
     assert "| XModel | generic | 3 | 2 | 1 | `TestX::test_b` (failed: AssertionError: outputs differ) |" in text
+    assert "| 3 | 2 | 1 | 1 (0 refusals, 1 other) |" in text

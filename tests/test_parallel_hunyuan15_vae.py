@@ -23,8 +23,9 @@ TOL = 1e-5
 
 
 # ------------------------------------------------------------------------------------------ generic runner
-def test_halo_edge_rows_zero_or_replicate():
-    """At the ends of the band order the halo is zeros (default) or copies of the band's edge row."""
+def test_halo_edge_rows_zero_replicate_or_reflect():
+    """At the ends of the band order the halo is zeros (default), copies of the band's edge row, or its rows next
+    to the edge mirrored."""
     coll = _Collectives(Communicator(None, 1, 0), timeout_s=None)
     x = torch.arange(24.0).view(1, 2, 4, 3)
     (prev, nxt), = coll.halo([x], -2, 2, 1)
@@ -37,8 +38,11 @@ def test_halo_edge_rows_zero_or_replicate():
     assert torch.equal(padded, torch.nn.functional.pad(x, (0, 0, 2, 1), mode="replicate"))
     finish = coll.halo([x], -2, 1, 1, wait=False, edge="replicate")
     assert torch.equal(finish()[0][1], x[:, :, 3:])
-    with pytest.raises(ValueError, match=r"halo edge must be one of \['zeros', 'replicate'\]"):
-        coll.halo([x], -2, 1, 1, edge="reflect")
+    # reflect (LTX-2's decoder): the rows next to the edge, mirrored = F.pad(mode="reflect") of the band
+    (prev, nxt), = coll.halo([x], -2, 2, 1, edge="reflect")
+    assert torch.equal(torch.cat([prev, x, nxt], dim=-2), torch.nn.functional.pad(x, (0, 0, 2, 1), mode="reflect"))
+    with pytest.raises(ValueError, match=r"halo edge must be one of \['zeros', 'replicate', 'reflect'\]"):
+        coll.halo([x], -2, 1, 1, edge="mirror")
 
 
 def test_replicate_modules_cannot_be_pairs():

@@ -268,10 +268,8 @@ LTX2 = register_family(ModelFamily(
     pipeline=LTX2_PIPELINE_PLAN,
     cache=LTX2_CACHE_ADAPTER,
     quant_patterns=("transformer_blocks.*",),
-    unsupported={"parallel_vae": "AutoencoderKLLTX2Video has no parallel-VAE adapter yet; every rank decodes the "
-                                 "video (the audio VAE and vocoder run whole on every rank)"},
     notes="video tokens split under sequence parallelism, the audio stream whole on every rank (video-to-audio "
-          "attention merged over the ranks); CFG batched (B = 2)",
+          "attention merged over the ranks); CFG batched (B = 2); parallel VAE for the video VAE only",
     tiny={"t2v": TinyPipeline("LTX2Pipeline", builder="lite_boost.demo:demo_ltx2_pipeline", shape=(160, 224, 33),
                               steps=10, describe="lite_boost.demo:describe_ltx2_demo",
                               prompt="lite_boost.demo:ltx2_demo_prompt")},

@@ -87,6 +87,9 @@ class SpatialLayout:
     replicate: halo modules whose row padding replicates the edge row (``F.pad(mode="replicate")``)
         instead of adding zeros: at the image's top and bottom edges their halo rows are copies of the
         band's edge row (with ``unpad`` they then stand in for that padding exactly). Not for ``pairs``.
+    reflect: halo modules whose row padding reflects the rows next to the edge (``F.pad(mode="reflect")``):
+        at the image's top and bottom edges their halo rows are the band's rows 1.. mirrored (with ``unpad``
+        they stand in for that padding exactly). Not for ``pairs``.
     band_random: modules that draw random tensors shaped like their input's frame (``torch.randn`` /
         ``torch.rand`` with the rows at dim -2, e.g. a decoder's noise injection): in a split call such
         a draw of the band's rows draws the whole frame's (the same random stream as one process, given
@@ -101,6 +104,7 @@ class SpatialLayout:
     unpad: Callable[[torch.nn.Module], Callable[[], None]] | None = None
     pairs: list = field(default_factory=list)  # [(first, second)]
     replicate: list = field(default_factory=list)  # [halo module]
+    reflect: list = field(default_factory=list)  # [halo module]
     band_random: list = field(default_factory=list)  # [module]
 
 

@@ -66,20 +66,21 @@ class _Collectives:
     def halo(self, tensors: Sequence[torch.Tensor], dim: int, before: int, after: int, wait: bool = True,
              edge: str = "zeros"):
         """For each tensor, the last ``before`` rows (along ``dim``) of the previous rank and the first
-        ``after`` rows of the next one (at the ends of the band order: zeros, or with ``edge="replicate"``
-        copies of the tensor's own first / last row). One packed all_to_all.
+        ``after`` rows of the next one (at the ends of the band order: zeros, with ``edge="replicate"``
+        copies of the tensor's own first / last row, with ``edge="reflect"`` its rows next to the edge
+        mirrored, as ``F.pad(mode="reflect")``). One packed all_to_all.
 
         ``wait=False`` starts the exchange and returns ``finish()``, which waits for it and returns the
         result: the caller computes what needs no halo in between."""
         comm = self.comm
         P, r = comm.size, comm.rank
         dtype = tensors[0].dtype
-        if edge not in ("zeros", "replicate"):
-            raise ValueError(f"halo edge must be one of ['zeros', 'replicate'], got {edge!r}")
+        if edge not in ("zeros", "replicate", "reflect"):
+            raise ValueError(f"halo edge must be one of ['zeros', 'replicate', 'reflect'], got {edge!r}")
         if any(t.dtype != dtype for t in tensors):
             raise ValueError("halo exchange needs tensors of one dtype")
         for t in tensors:
-            if t.shape[dim] < max(before, after):
+            if t.shape[dim] < max(before, after) + (edge == "reflect"):
                 raise ValueError(f"a band of {t.shape[dim]} rows is thinner than its halo ({before}, {after})")
         tops = [t.narrow(dim, 0, after) for t in tensors] if after else []  # the previous rank's "next" rows
         bots = [t.narrow(dim, t.shape[dim] - before, before) for t in tensors] if before else []
@@ -108,6 +109,9 @@ class _Collectives:
                                                   async_op=True)
 
         def fill(t, shape, row):  # the rows beyond the image edge
+            if edge == "reflect":  # top: rows k .. 1, bottom: rows n - 2 .. n - 1 - k
+                k = shape[dim]
+                return t.narrow(dim, 1 if row == 0 else t.shape[dim] - 1 - k, k).flip(dim)
             return t.narrow(dim, row, 1).expand(shape) if edge == "replicate" else t.new_zeros(shape)
 
         def finish():

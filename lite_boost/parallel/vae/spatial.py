@@ -179,6 +179,7 @@ class _SpatialSplit:
         self.full_rows: dict[int, int] = {}  # id(conv) -> its full-frame input rows, padding included (this call)
         self.onednn: dict[tuple, bool] = {}  # (id(conv), band input shape, full rows) -> run the band with oneDNN
         self.replicate = {id(m) for m in layout.replicate}  # halo modules with replicate row padding
+        self.reflect = {id(m) for m in layout.reflect}  # halo modules with reflect row padding
 
     # --- root: split the input rows, gather the output rows
     def _root_forward(self, inner):
@@ -238,6 +239,8 @@ class _SpatialSplit:
         return (rows + rows2 if merged else rows), merged
 
     def _edge(self, module) -> str:
+        if id(module) in self.reflect:
+            return "reflect"
         return "replicate" if id(module) in self.replicate else "zeros"
 
     def _zero_outer_rows(self, out: torch.Tensor, rows2: int) -> None:
@@ -375,7 +378,7 @@ class _SpatialSplit:
 
     def install(self):
         layout = self.layout
-        if any(id(m) in self.replicate for pair in layout.pairs for m in pair):
+        if any(id(m) in self.replicate or id(m) in self.reflect for pair in layout.pairs for m in pair):
             raise ValueError("parallel VAE: a halo module with replicate row padding cannot be one of "
                              "SpatialLayout.pairs (their merged exchange assumes zero padding)")
         self._patch(layout.root, "forward", self._root_forward)

@@ -313,6 +313,10 @@ def test_save_load_and_to(row, tmp_path):
     boosted = _out(model, x)
     model.save_pretrained(tmp_path)
     loaded = type(model).from_pretrained(tmp_path).eval()
+    # safetensors loads some weights at unaligned (mmap) addresses, where CPU kernels take another SIMD path and
+    # round differently in the last bit (stock diffusers alike); aligned copies make the comparison bit-exact
+    for param in loaded.parameters():
+        param.data = param.data.clone()
     assert not is_boosted(loaded)
     saved, reloaded = model.state_dict(), loaded.state_dict()
     assert list(saved) == list(reloaded) and all(torch.equal(saved[k], reloaded[k]) for k in saved)

@@ -141,15 +141,19 @@ def test_processor_contract_outside_the_cached_form():
             model.transformer_blocks[0].attn(hidden, text, attention_mask=torch.ones(1, 22))
 
 
-def test_ip_adapter_processors_are_refused_before_anything_is_touched():
+def test_ip_adapter_processor_sends_the_model_to_the_generic_path_and_is_kept():
+    """The family shim has no IP-Adapter branch: a model holding diffusers' IP-Adapter processor is boosted on the
+    generic path, that processor (and its weights) kept; parity with an IP-Adapter is in test_loaders.py."""
     from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
 
     model = tf.transformer(SPEC)
-    model.transformer_blocks[0].attn.set_processor(FluxIPAdapterAttnProcessor(48, 32))
-    with pytest.raises(TypeError, match=r"transformer_blocks.0.attn .*FluxIPAdapterAttnProcessor processor with "
-                                        r"weights.*unload_ip_adapter"):
-        lite_boost.boost(model)
-    assert not hasattr(model, "_lite_boost")
+    proc = FluxIPAdapterAttnProcessor(48, 32)
+    model.transformer_blocks[0].attn.set_processor(proc)
+    lite_boost.boost(model)
+    assert model._lite_boost.family.name == "generic"
+    assert model.transformer_blocks[0].attn.processor is proc
+    lite_boost.unboost(model)
+    assert not hasattr(model, "_lite_boost") and model.transformer_blocks[0].attn.processor is proc
 
 
 # --------------------------------------------------------------------------------------------- sparse

@@ -97,7 +97,8 @@ def family(name):
 # --------------------------------------------------------------------------------------------- helpers
 QUICK_GRIDS = {"ltx": (3, 8, 11), "qwen-image": (1, 8, 11), "flux": (1, 8, 11), "cogvideox": (2, 6, 11),
                "chronoedit": (2, 6, 8), "skyreels-v2": (3, 6, 8), "wan-animate": (3, 6, 8), "wan-vace": (3, 6, 8),
-               "flux2": (1, 8, 11), "ltx2": (2, 4, 6)}
+               "flux2": (1, 8, 11), "ltx2": (2, 4, 6), "qwen-image-2.1": (1, 8, 12),
+               "minimax-h3": (2, 6, 8)}
 
 
 def _size(args, sizes: dict) -> str:
@@ -626,6 +627,82 @@ def ltx2_case(args) -> Case:
     return Case("LTX-2 transformer (1 block)", shape, {}, block, {}, state, quantized)
 
 
+# --------------------------------------------------------------------------------------------- Qwen-Image 2.1
+@family("qwen-image-2.1")
+def qwen_image_21_case(args) -> Case:
+    """A Qwen-Image 2.1 transformer with one block at the released dims (diffusers'
+    QwenImage21Transformer2DModel defaults: 32 x 128 heads, dim 4096, text 4096 -> 4096, mlp ratio 3), called whole
+    as QwenImage21Pipeline calls it for text-to-image: the single block-causal stream of [text | target image],
+    the target's ``img_mask`` slots after the text (one per 2 x 2 target tokens). 1024 x 1024 px = 64 x 64
+    target tokens, 256 text tokens."""
+    from diffusers import QwenImage21Transformer2DModel
+
+    _size(args, {"default": None})
+    grid = _grid(args, (1, 64, 64))
+    if grid[0] != 1 or grid[1] * grid[2] % 4:
+        raise ValueError(f"--grid for qwen-image-2.1 must be 1,h,w with h * w a multiple of 4, got {args.grid!r}")
+    seq, text, batch = grid[1] * grid[2], _text(args, 256), args.batch
+    torch.manual_seed(0)
+    stock = QwenImage21Transformer2DModel(num_layers=1).eval()
+    models, state, quantized = _variants(stock, args, sparse_ok=True)
+    c = stock.config
+    g = torch.Generator().manual_seed(0)
+    img_mask = torch.tensor([False] * text + [True] * (seq // 4)).expand(batch, -1).clone()
+    kwargs = dict(hidden_states=torch.randn(batch, seq, c.in_channels, generator=g),
+                  encoder_hidden_states=torch.randn(batch, text, c.context_in_dim, generator=g),
+                  timestep=torch.full((batch,), 0.7), img_shapes=[[grid]] * batch, img_mask=img_mask,
+                  return_dict=False)
+    block = {name: (lambda m=m: m(**kwargs)[0]) for name, m in models.items()}
+    inner = c.num_attention_heads * c.attention_head_dim
+    shape = (f"Qwen-Image 2.1: {c.num_attention_heads} x {c.attention_head_dim} heads (dim {inner}), text "
+             f"{c.context_in_dim} -> {inner}, one block in a whole transformer call, {grid[1] * 16} x {grid[2] * 16} px "
+             f"= {seq:,} target + {text} text tokens, batch {batch}, fp32, sparse block {args.block_size}")
+    return Case("Qwen-Image 2.1 transformer (1 block)", shape, {}, block, {}, state, quantized)
+
+
+# --------------------------------------------------------------------------------------------- MiniMax-H3
+@family("minimax-h3")
+def minimax_h3_case(args) -> Case:
+    """A MiniMax-H3 transformer with one main block (and the released 2 token-refiner layers) at the released dims
+    (diffusers' MiniMaxH3Transformer3DModel defaults: 56 x 128 heads, hidden 5376, FFN 14336, text 5120), called
+    whole on the modular pipeline's packed sequence [text | target audio | target video] (diffusers'
+    MiniMaxH3PrepareLayoutStep, no keyframe condition). Default latent grid 7 x 30 x 52 (480 x 832 px, 22 frames:
+    7 x 15 x 26 = 2,730 video tokens), the audio latents of those frames, 128 text tokens."""
+    from diffusers import MiniMaxH3Transformer3DModel
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import (MiniMaxH3PrepareLayoutStep,
+                                                                         MiniMaxH3SetTimestepsStep)
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import audio_latent_num_frames
+
+    _size(args, {"default": None})
+    grid = _grid(args, (7, 30, 52))  # latent frames (5 n + 2), latent height, width (VAE 16x; patch 2 x 2)
+    text, batch = _text(args, 128), args.batch
+    frames_px = 17 * ((grid[0] - 2) // 5) + 5
+    audio = audio_latent_num_frames(frames_px)
+    torch.manual_seed(0)
+    stock = MiniMaxH3Transformer3DModel(num_layers=1).eval()
+    models, state, quantized = _variants(stock, args, sparse_ok=True)
+    c = stock.config
+    pos, tags, vid, aud, txt, n_cond, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+        torch.ones(text, dtype=torch.long), grid[0], grid[1], grid[2], audio, tuple(c.patch_size),
+        audio_channels=2, audio_tag=2, video_tag=0, keyframe_anchors=())
+    timestep, timestep_indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
+        vid, aud, n_cond, 0, txt.numel(), 0.7, 0.56, 0.9, 1.0)
+    g = torch.Generator().manual_seed(0)
+    patch = math.prod(c.patch_size)
+    kwargs = dict(hidden_states=torch.randn(batch, vid.numel(), c.in_channels * patch, generator=g),
+                  audio_hidden_states=torch.randn(batch, aud.numel(), c.audio_in_channels, generator=g),
+                  encoder_hidden_states=torch.randn(batch, txt.numel(), c.text_dim, generator=g),
+                  timestep=timestep.to(torch.float32), timestep_indices=timestep_indices,
+                  position_ids=pos.to(torch.float32), token_tags=tags, video_indices=vid, audio_indices=aud,
+                  text_indices=txt, return_dict=False)
+    block = {name: (lambda m=m: m(**kwargs)) for name, m in models.items()}
+    shape = (f"MiniMax-H3: {c.num_attention_heads} x {c.attention_head_dim} heads (hidden {c.hidden_size}, FFN "
+             f"{c.ffn_dim}), one main block + {c.num_refiner_layers} refiner layers in a whole transformer call, latent "
+             f"grid {grid} = {vid.numel():,} video tokens ({grid[1] * 16} x {grid[2] * 16} px, {frames_px} frames), "
+             f"{aud.numel()} audio rows, {txt.numel()} text tokens, batch {batch}, fp32, sparse block {args.block_size}")
+    return Case("MiniMax-H3 transformer (1 block)", shape, {}, block, {}, state, quantized)
+
+
 # --------------------------------------------------------------------------------------------- runner
 def _flat(out) -> torch.Tensor:
     """One tensor of a block's output (the streams of a (video, text) tuple side by side)."""
@@ -716,7 +793,7 @@ def run(case: Case, args) -> tuple[str, dict]:
 
 
 DEFAULT_SIZES = {"ltx": "2b", "qwen-image": "20b", "flux": "dev", "cogvideox": "5b", "chronoedit": "14b",
-                 "skyreels-v2": "1.3b", "wan-animate": "14b", "wan-vace": "1.3b", "flux2": "dev", "ltx2": "19b"}
+                 "skyreels-v2": "1.3b", "wan-animate": "14b", "wan-vace": "1.3b", "flux2": "dev", "ltx2": "19b", "qwen-image-2.1": "default", "minimax-h3": "default"}
 
 
 def main(argv=None):

@@ -3,7 +3,7 @@ imports nothing of lite_boost)."""
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "LoaderError", "check_regexes"]
+__all__ = ["ConfigError", "LoaderError", "PerformanceWarning", "check_regexes"]
 
 
 class ConfigError(ValueError):
@@ -13,6 +13,11 @@ class ConfigError(ValueError):
 class LoaderError(ConfigError):
     """A diffusers loader or processor call (``fuse_lora``, ``set_attn_processor``, ``load_ip_adapter``, ...) that a
     boosted model cannot take as boosted; raised before anything changes, naming the boost option and what to do."""
+
+
+class PerformanceWarning(UserWarning):
+    """A requested option runs correctly here but is known to be slower than not using it on this hardware; the
+    message names the option, why, and what to use instead."""
 
 
 def check_regexes(where: str, value, allow_empty: bool = False) -> tuple[str, ...]:

@@ -37,6 +37,7 @@ import functools
 import importlib
 import logging
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -283,12 +284,27 @@ def plan_quant(model: nn.Module, config, default_include: Iterable[str] | None =
     if info.dtypes is not None and dtype not in info.dtypes:
         raise _config_error(f"quant method {method!r} needs a {' or '.join(str(d).replace('torch.', '') for d in info.dtypes)} "
                             f"model, got {str(dtype).replace('torch.', '')}; load it with torch_dtype= one of those")
+    if method == "int8_dynamic" and device.type == "cpu":
+        _warn_slow_int8(type(model).__name__)
     skipped = {n: why for n in chosen if (why := _shape_problem(method, linears[n])) is not None}
     layers = tuple(n for n in chosen if n not in skipped)
     if not layers:
         raise _config_error(f"quant method {method!r} can run none of the selected layers: "
                             f"{dict(list(skipped.items())[:3])}")
     return QuantPlan(method, layers, skipped, device, dtype)
+
+
+def _warn_slow_int8(model_name: str) -> None:
+    """int8_dynamic on a CPU without int8 dot products: correct, but PyTorch's int8 matmul (``torch._int_mm``) has no
+    fast kernel there (measured on an AVX2-only AMD EPYC: about 180x slower than the fp32 matmul it replaces)."""
+    from .errors import PerformanceWarning
+    from .ops.precision import cpu_int8_dot_reason
+
+    why = cpu_int8_dot_reason()
+    if why is not None:
+        warnings.warn(f"quant method 'int8_dynamic' on {model_name} will run slower than fp32 on this CPU: {why}, so "
+                      "PyTorch's int8 matmul takes a slow generic path; leave BoostConfig.quant unset here, or use "
+                      "'int8_weight_only' to save memory", PerformanceWarning, stacklevel=4)
 
 
 def _adapter_internal(model: nn.Module) -> set[str]:

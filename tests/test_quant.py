@@ -152,6 +152,27 @@ def test_device_and_dtype_rules(monkeypatch):
         Q.plan_quant(_model(), QuantConfig("w8a8_npu"), (r"blocks\..*",))
 
 
+@pytest.mark.parametrize("flags", [frozenset({"avx2"}), frozenset({"avx2", "avx512_vnni"}), frozenset({"amx_int8"})])
+def test_int8_dynamic_on_a_cpu_without_int8_dot_products_warns(monkeypatch, flags):
+    """int8_dynamic stays correct everywhere, but on a CPU without VNNI / AMX PyTorch's int8 matmul has no fast
+    kernel: planning says so (PerformanceWarning naming the method and what to use instead); with them, no warning."""
+    from lite_boost.errors import PerformanceWarning
+    from lite_boost.ops import precision
+
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: flags)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Q.plan_quant(_model(), QuantConfig("int8_dynamic"), (r"blocks\..*",))
+        Q.plan_quant(_model(), QuantConfig("int8_weight_only"), (r"blocks\..*",))  # no int8 matmul: never warned
+    slow = [w for w in caught if issubclass(w.category, PerformanceWarning)]
+    if flags & {"avx512_vnni", "avx_vnni", "amx_int8"}:
+        assert not slow
+    else:
+        assert len(slow) == 1
+        msg = str(slow[0].message)
+        assert "'int8_dynamic'" in msg and "no int8 dot-product instructions" in msg and "int8_weight_only" in msg
+
+
 def test_torchao_missing_names_the_extra(monkeypatch):
     real = Q._import
     monkeypatch.setattr(Q, "_import", lambda name: "torchao is not installed" if name == "torchao" else real(name))

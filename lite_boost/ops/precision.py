@@ -27,7 +27,7 @@ from ..config import ATTENTION_PRECISIONS
 from ._lowp import PRECISIONS, check_precision
 
 __all__ = ["PRECISIONS", "DENSE_BLOCK", "check_precision", "cpu_precision_reason", "cpu_int8_reason",
-           "cpu_attention"]
+           "cpu_int8_dot_reason", "cpu_attention"]
 
 assert PRECISIONS == ATTENTION_PRECISIONS
 DENSE_BLOCK = 128  # query / key block of dense int8 attention on the CPU kernel (all blocks selected)
@@ -47,6 +47,13 @@ def _cpu_flags() -> frozenset:
     return frozenset()
 
 
+def cpu_int8_dot_reason() -> str | None:
+    """None when this CPU has int8 dot-product instructions (VNNI or AMX), else why int8 GEMMs are slow here."""
+    if not _cpu_flags() & set(_INT8_FLAGS):
+        return f"the CPU has no int8 dot-product instructions (none of {list(_INT8_FLAGS)} in /proc/cpuinfo)"
+    return None
+
+
 def cpu_int8_reason() -> str | None:
     """None when the CPU kernel's int8 mode can run here, else why not."""
     from . import _ext
@@ -56,9 +63,7 @@ def cpu_int8_reason() -> str | None:
         return why
     if not torch.backends.mkldnn.is_available():
         return "PyTorch was built without oneDNN (mkldnn), whose brgemm runs the int8 GEMMs"
-    if not _cpu_flags() & set(_INT8_FLAGS):
-        return f"the CPU has no int8 dot-product instructions (none of {list(_INT8_FLAGS)} in /proc/cpuinfo)"
-    return None
+    return cpu_int8_dot_reason()
 
 
 def cpu_precision_reason(precision: str) -> str | None:

@@ -773,8 +773,10 @@ def run(case: Case, args) -> tuple[str, dict]:
         case.shape + ".",
         "",
         "Variants (same weights, same process, interleaved, first repetition dropped): stock diffusers; boosted "
-        f"(dense); sparse {args.sparsity} (block-sparse self-attention, block {args.block_size}); int8 "
-        f"(`QuantConfig(\"int8_dynamic\")`, eager, {len(case.quantized)} Linear layers of the block(s)).",
+        "(dense)" + ("" if args.no_sparse else f"; sparse {args.sparsity} (block-sparse self-attention, block "
+                                              f"{args.block_size})")
+        + ("; int8 not run (`--no-int8`)." if args.no_int8 else
+           f"; int8 (`QuantConfig(\"int8_dynamic\")`, eager, {len(case.quantized)} Linear layers of the block(s))."),
         "",
         markdown_table(["part", "variant", "median s", "speed-up vs stock", "runs", "max abs diff (block out)",
                         "rel. L2 error (block out)"], rows),

@@ -4,6 +4,11 @@ Each LoRA case builds a tiny pipeline from a fixed seed, puts it through the cas
 with stock diffusers (the one-process reference: no collectives), then a fresh copy under ``ParallelManager``
 with the same LoRA calls made before or after it, and returns the max abs difference of the output latents.
 All cases of one world size share one process group (one mesh per layout).
+
+The adapter cases (``run_adapter_cases``, a process group of their own) run a ControlNet pipeline or a Flux.1
+pipeline with an IP-Adapter stock in this process and a fresh copy under ``ParallelManager`` (Ulysses 2 / Ring 2),
+and record what the transformer took, the collectives and the ControlNet's attention calls; the cfg_degree 2
+refusals run first, before the process group exists.
 """
 
 from __future__ import annotations
@@ -131,4 +136,144 @@ def run_cases(rank, world_size, init_method, names):
     meshes, out = {}, {}
     for name in names:
         out[name] = lora_case(name, meshes, init_method)
+    return out
+
+
+# ------------------------------------------------------------------------------- ControlNet pipelines, IP-Adapter
+# Each case: the stock one-process pipeline (no collectives) against a fresh copy under ParallelManager (world 2).
+SEQ_LAYOUTS = {"ulysses2": {}, "ring2": {"ulysses_degree": 1, "ring_degree": 2}}
+CONTROLNET_CASES = {f"{kind}_{layout}": (kind, layout) for kind in ("flux", "flux_multi", "qwen", "qwen_multi")
+                    for layout in SEQ_LAYOUTS}
+# flux_ip: 3 x 5 image tokens (8 / 7 per rank) attend to the 4 IP tokens; flux_ip_even: 2 x 4 image tokens, as many
+# per rank as the IP-Adapter has tokens (the IP call then looks like self-attention by its lengths)
+IP_ADAPTER_CASES = {f"{kind}_{layout}": (kind, layout) for kind in ("flux_ip", "flux_ip_even")
+                    for layout in SEQ_LAYOUTS}
+IP_TOKENS = {"flux_ip": 15, "flux_ip_even": 8}  # image tokens of the call
+CFG_REFUSAL_CASES = {f"{kind}_cfg2_refused": (kind, "cfg2") for kind in ("flux", "qwen", "flux_ip")}
+# the refusals first: the process group does not exist yet, so a refusal before any collective leaves it so
+ADAPTER_CASES = {**CFG_REFUSAL_CASES, **CONTROLNET_CASES, **IP_ADAPTER_CASES}
+
+
+def flux_ip_adapter(model, seed, clip_dim=8):
+    """A random IP-Adapter for ``model`` in the format of diffusers' Flux loader ({"image_proj", "ip_adapter"})."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    c, inner = model.config.joint_attention_dim, model.inner_dim
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g) * 0.3
+
+    ip = {}
+    for i in range(len(model.transformer_blocks)):
+        ip.update({f"{i}.to_k_ip.weight": r(inner, c), f"{i}.to_k_ip.bias": r(inner),
+                   f"{i}.to_v_ip.weight": r(inner, c), f"{i}.to_v_ip.bias": r(inner)})
+    return {"image_proj": {"proj.weight": r(4 * c, clip_dim), "proj.bias": r(4 * c), "norm.weight": 1 + r(c),
+                           "norm.bias": r(c)}, "ip_adapter": ip}
+
+
+def _ip_pipeline():
+    import _tiny_flux as tf
+
+    pipe = tf.pipeline("t2i")
+    pipe.load_ip_adapter(flux_ip_adapter(pipe.transformer, 1), weight_name="ip_adapter.safetensors",
+                         image_encoder_pretrained_model_name_or_path=None)
+    pipe.set_ip_adapter_scale(0.7)
+    return pipe
+
+
+def _ip_kwargs(shift=0.0, even=False):
+    import torch
+
+    import _tiny_flux as tf
+
+    emb = torch.randn(1, 1, 8, generator=torch.Generator().manual_seed(3)) + shift
+    size = dict(height=8, width=16) if even else {}
+    return dict(tf.call_kwargs("t2i", **size), ip_adapter_image_embeds=[emb],
+                negative_ip_adapter_image_embeds=[torch.zeros(1, 1, 8)])
+
+
+def _adapter_kind(kind):
+    """(new pipeline, call kwargs, call kwargs without the adapter's effect) of a ControlNet / IP-Adapter case."""
+    if kind.startswith("flux_ip"):
+        even = kind == "flux_ip_even"
+        return _ip_pipeline, (lambda: _ip_kwargs(even=even)), lambda: _ip_kwargs(shift=3.0, even=even)
+    import _tiny_controlnet as tc
+
+    def off():
+        kw = tc.call_kwargs(kind)
+        multi = isinstance(kw["control_image"], list)
+        kw["controlnet_conditioning_scale"] = [0.0] * len(kw["control_image"]) if multi else 0.0
+        return kw
+
+    return (lambda: tc.pipeline(kind)), (lambda: tc.call_kwargs(kind)), off
+
+
+def _cfg_refusal(kind, init_method):
+    """cfg_degree 2: refused when planning, before the mesh (and any collective) exists."""
+    import torch.distributed as dist
+
+    import lite_boost
+    from lite_boost.api import is_boosted
+    from lite_boost.parallel import ParallelManager
+
+    make, _, _ = _adapter_kind(kind)
+    pipe = make()
+    out = {"initialized_before": dist.is_initialized()}
+    try:
+        ParallelManager(pipe, {"parallel": {"cfg_degree": 2, "timeout_s": TIMEOUT_S}}, init_method=init_method)
+        out["refused"] = None
+    except lite_boost.ConfigError as e:
+        out["refused"] = str(e)
+    out.update(initialized_after=dist.is_initialized(), boosted=is_boosted(pipe))
+    return out
+
+
+def adapter_case(name, meshes, init_method):
+    """A ControlNet / IP-Adapter pipeline under ParallelManager (Ulysses 2 or Ring 2) vs the stock one-process run."""
+    from lite_boost.adapter.generic import generic_context
+    from lite_boost.parallel import ParallelManager, unparallelize
+
+    kind, layout = ADAPTER_CASES[name]
+    if layout == "cfg2":
+        return _cfg_refusal(kind, init_method)
+    parallel = SEQ_LAYOUTS[layout]
+    make, call, off = _adapter_kind(kind)
+    ref_pipe = make()
+    ref = ref_pipe(**call()).images
+    out = {"effect": _diff(ref_pipe(**off()).images, ref), "ref_abs": ref.abs().max().item()}
+    del ref_pipe
+    mesh = _mesh(meshes, parallel, init_method)
+    pipe = make()
+    ParallelManager(pipe, {"parallel": dict(parallel, timeout_s=TIMEOUT_S)}, mesh=mesh)
+    seen = []  # (image tokens, ControlNet residual tokens) the transformer takes, after its own split hooks
+
+    def record(mod, args, kwargs):
+        res = kwargs.get("controlnet_block_samples")
+        seen.append((kwargs["hidden_states"].shape[1], res[0].shape[1] if res else None))
+
+    handle = pipe.transformer.register_forward_pre_hook(record, with_kwargs=True)
+    ctx = generic_context(pipe.controlnet) if hasattr(pipe, "controlnet") else None
+    cn_calls = []  # the ControlNet's self-attention calls through lite_boost's backend (whole sequence)
+    if ctx is not None:
+        inner = ctx.self_attn_fn
+        ctx.self_attn_fn = lambda q, *a: (cn_calls.append(q.shape[1]), inner(q, *a))[1]
+    stats = mesh.sequence.enable_stats()
+    stats.reset()
+    out["diff"] = _diff(pipe(**call()).images, ref)
+    handle.remove()
+    if ctx is not None:
+        ctx.self_attn_fn = inner
+    out.update(degrees=(mesh.cfg_degree, mesh.sequence_degree, mesh.ring_degree), calls=dict(stats.calls),
+               seen=sorted(set(seen)), family=pipe.transformer._lite_boost.family.name,
+               controlnet_calls=sorted(set(cn_calls)) if ctx is not None else None)
+    mesh.sequence.stats = None
+    unparallelize(pipe)
+    return out
+
+
+def run_adapter_cases(rank, world_size, init_method, names):
+    meshes, out = {}, {}
+    for name in names:
+        out[name] = adapter_case(name, meshes, init_method)
     return out

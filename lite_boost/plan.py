@@ -438,9 +438,12 @@ def _resolve_cfg(draft: Draft):
         return None
     cfg_plan = draft.pipeline.cfg_for(draft.target) if draft.pipeline is not None else None
     if cfg_plan is None or cfg_plan.kind == "none":
+        why = None  # a registered family's own reason (MiniMax-H3: guidance-distilled)
+        if draft.family is not None and getattr(draft.family, "name", None) != "generic":
+            why = (getattr(draft.family, "unsupported", None) or {}).get("cfg_parallel")
         raise ConfigError(
             f"cfg_degree={draft.cfg_degree} needs a pipeline that runs classifier-free guidance; "
-            f"{draft.target_class} is not one. Valid cfg_degree here: [1]"
+            f"{draft.target_class} is not one{f' ({why})' if why else ''}. Valid cfg_degree here: [1]"
         )
     if (getattr(draft.family, "name", None) == "generic" and cfg_plan.kind == "separate" and cfg_plan.flag is not None
             and not hasattr(type(draft.target), cfg_plan.flag)):

@@ -129,3 +129,35 @@ def test_unparallelize_keeps_the_boost():
     assert unparallelize(pipe) is pipe and lite_boost.api.is_boosted(pipe)
     lite_boost.unboost(pipe)
     assert not lite_boost.api.is_boosted(pipe)
+
+
+@pytest.mark.parametrize("kind", ["separate", "batched"])
+def test_cfg_forward_wrappers_expose_the_wrapped_signature(kind):
+    """The CFG wrappers installed as ``transformer.forward`` have the stock forward's signature (diffusers' modular
+    denoise steps pass only the inputs ``inspect.signature(transformer.forward)`` names: Qwen-Image 2.1's
+    ``img_shapes`` was dropped under cfg_degree 2), and with CFG off they return stock's output."""
+    import inspect
+    import types
+
+    from lite_boost.demo import tiny_qwen_image21_transformer
+    from lite_boost.parallel.manager import _BatchedCfgForward, _CfgForward
+    from lite_boost.parallel.plan import CfgPlan
+
+    from _tiny_qwen21 import transformer_inputs
+
+    stock = tiny_qwen_image21_transformer()
+    model = lite_boost.boost(tiny_qwen_image21_transformer())
+    from lite_boost.models.qwenimage21 import QWEN21_PIPELINE_PLAN
+
+    cls, plan = ((_CfgForward, QWEN21_PIPELINE_PLAN.cfg) if kind == "separate"
+                 else (_BatchedCfgForward, CfgPlan(kind="batched", flag="do_cfg", batch_args=("hidden_states",))))
+    wrapper = cls(model, lambda: False, plan, types.SimpleNamespace(cfg_degree=2))  # CFG off: every call computed
+    assert inspect.signature(wrapper) == inspect.signature(stock.forward)
+    assert "img_shapes" in inspect.signature(wrapper).parameters
+    assert wrapper.__name__ == "forward" and wrapper.__doc__ == stock.forward.__doc__
+    model.forward = wrapper
+    assert inspect.signature(model.forward) == inspect.signature(stock.forward)
+    x = transformer_inputs(layout="one_condition")
+    with torch.no_grad():
+        assert (model(**x).sample - stock(**x).sample).abs().max().item() <= 1e-5
+    assert wrapper.calls["computed"] == 1

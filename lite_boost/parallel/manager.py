@@ -79,6 +79,20 @@ def _wrap_like(kwargs, tensor):
     return (tensor,)
 
 
+def _expose_signature(wrapper, inner) -> None:
+    """Give an instance ``forward`` wrapper the wrapped forward's signature, name and docstring: pipelines
+    inspect ``transformer.forward`` to decide which inputs to pass (diffusers' modular denoise steps keep only
+    the fields the signature names), so a bare ``(*args, **kwargs)`` would silently drop arguments."""
+    try:
+        wrapper.__signature__ = inspect.signature(inner)
+    except (TypeError, ValueError):  # no signature to expose (a builtin): inspect falls back to __call__
+        wrapper.__signature__ = None
+    for attr in ("__name__", "__qualname__", "__doc__"):
+        value = getattr(inner, attr, None)
+        if value is not None:
+            setattr(wrapper, attr, value)
+
+
 class _CfgActive:
     """Whether the pipeline runs CFG in its current call: ``CfgPlan.flag``, the encode counter, or the guider.
 
@@ -152,6 +166,7 @@ class _CfgForward:
         self.pending: torch.Tensor | None = None  # cond result (rank 0) or placeholder (rank 1)
         self.calls = {"computed": 0, "deferred": 0}
         self.order = 0  # CfgPlan.by_call_order: CFG calls seen since the pipeline call started
+        _expose_signature(self, self.inner)
 
     def reset_order(self) -> None:
         self.order = 0
@@ -236,6 +251,7 @@ class _BatchedCfgForward:
         self.inner = model.forward
         self.context: str | None = None
         self.calls = {"computed": 0, "split": 0}
+        _expose_signature(self, self.inner)
         try:
             params = list(inspect.signature(self.inner).parameters)
         except (TypeError, ValueError):

@@ -7,7 +7,7 @@ Ring over all ranks (2 and 3: 16 and 40 target tokens, uneven shards at 3), cfg_
 block-sparse over the target grid against one-process sparse with the same config. The prefix (text, condition
 image) stays whole on every rank; the first block sees it plus this rank's target shard (a cached step: the shard
 only). Every rank's output equals the one-process output within 1e-5. Block-sparse Ring is refused for this joint
-family with a ConfigError before any collective.
+family, and cfg_degree 2 for the Turbo pipeline (no guidance), with a ConfigError before any collective.
 """
 
 import math
@@ -78,3 +78,20 @@ def test_sparse_ring_is_refused_before_any_collective(world):
         assert res["ring_sparse_refused"] is not None
         assert (f"sparse attention with ring_degree={world} is not available for qwen-image-2.1"
                 in res["ring_sparse_refused"]), res["ring_sparse_refused"]
+
+
+@pytest.mark.usefixtures("single_process_env")
+def test_cfg_degree_2_on_the_turbo_pipeline_is_refused_before_any_collective(monkeypatch):
+    """QwenImage21TurboModularPipeline runs no guidance (no guider): cfg_degree 2 raises naming it, in one process
+    with a 2-rank launcher environment and no rendezvous (reaching init would fail differently)."""
+    import lite_boost
+    from lite_boost.config import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    pipe = cases.turbo_pipeline()
+    with pytest.raises(ConfigError, match=r"cfg_degree=2 splits the guider's two predictions .* "
+                                          r"QwenImage21TurboModularPipeline\.guider is no guider\. Valid cfg_degree "
+                                          r"here: \[1\]"):
+        lite_boost.ParallelManager(pipe, {"parallel": {"cfg_degree": 2}})
+    assert not lite_boost.api.is_boosted(pipe)

@@ -428,6 +428,18 @@ def _resolve_features(draft: Draft):
     return None
 
 
+def _why_generic(target) -> str:
+    """Why a pipeline whose class a named family registered takes the generic path (its transformer holds
+    attention processors with weights of their own, e.g. an IP-Adapter's), as a parenthesis, or ''."""
+    from .registry import SUPPORTED_MODELS
+
+    for cls in type(target).__mro__:
+        if cls.__name__ in SUPPORTED_MODELS:
+            return (f" (not the family registered for {cls.__name__}: its transformer holds attention processors "
+                    "with weights of their own, such as an IP-Adapter's, which that family's processors do not run)")
+    return ""
+
+
 def _resolve_cfg(draft: Draft):
     """The pipeline's CFG plan when cfg_degree > 1 splits its two branches over the cfg ranks."""
     if not draft.parallel or draft.cfg_degree < 2:
@@ -448,7 +460,8 @@ def _resolve_cfg(draft: Draft):
     if (getattr(draft.family, "name", None) == "generic" and cfg_plan.kind == "separate" and cfg_plan.flag is not None
             and not hasattr(type(draft.target), cfg_plan.flag)):
         raise ConfigError(
-            f"cfg_degree={draft.cfg_degree}: {draft.target_class} runs on lite_boost's generic pipeline path, whose CFG "
+            f"cfg_degree={draft.cfg_degree}: {draft.target_class} runs on lite_boost's generic pipeline path"
+            f"{_why_generic(draft.target)}, whose CFG "
             f"split reads the pipeline's {cfg_plan.flag!r} to know when guidance runs, and {draft.target_class} has "
             "none (it decides in a local variable), so nothing would be split. Valid cfg_degree here: [1] (use the "
             "ranks for sequence parallelism: ulysses_degree / ring_degree)")

@@ -104,4 +104,6 @@ def test_cfg_parallel_refused_at_planning_on_every_rank(name):
         assert r["refused"] is not None, (name, rank, r)
         assert r["refused"].startswith(f"cfg_degree=2: {pipeline} runs on lite_boost's generic pipeline path"), r
         assert "Valid cfg_degree here: [1]" in r["refused"], r
+        # why a pipeline of a named family is on the generic path: said only where it is one (the IP-Adapter case)
+        assert ("such as an IP-Adapter's" in r["refused"]) == (kind == "flux_ip"), r
         assert not r["initialized_before"] and not r["initialized_after"] and not r["boosted"], (name, rank, r)

@@ -12,6 +12,8 @@
     flock /work/heavy.lock python benchmarks/bench_families.py wan-vace     # 1.3B, 14,040 + 14,040 control
     flock /work/heavy.lock python benchmarks/bench_families.py flux2        # [dev] 512 x 512 px; --size klein-4b
     flock /work/heavy.lock python benchmarks/bench_families.py ltx2         # 19B, 6,144 video + 126 audio tokens
+    flock /work/heavy.lock python benchmarks/bench_families.py qwen-image-2.1  # 4,096 target + 256 text tokens
+    flock /work/heavy.lock python benchmarks/bench_families.py minimax-h3   # 2,730 video + 74 audio + 128 text
     python benchmarks/bench_families.py ltx --quick                         # small token grid, 2 reps
 
 Benchmarks and the released dims they use (from each release's transformer config.json):
@@ -31,7 +33,12 @@ Benchmarks and the released dims they use (from each release's transformer confi
 * ``flux2``: Flux.2 [dev] (48 x 128 heads, dim 6144, text 15360; 512 x 512 px) / [klein] 4B (24 x 128,
   text 7680; 1024 x 1024 px), a one dual + one single block transformer called whole;
 * ``ltx2``: LTX-2 19B (video 32 x 128 heads, audio 32 x 64), a one-block transformer called whole, the
-  pipeline's default 512 x 768 px, 121 frames.
+  pipeline's default 512 x 768 px, 121 frames;
+* ``qwen-image-2.1``: Qwen-Image 2.1 (diffusers' defaults: 32 x 128 heads, text 4096), a one-block transformer
+  called whole on the block-causal [text | target] stream, 1024 x 1024 px;
+* ``minimax-h3``: MiniMax-H3 (56 x 128 heads, hidden 5376, FFN 14336), a one-block transformer (with the two
+  token-refiner layers) called whole on the modular pipeline's packed [text | audio | video] sequence, 480 x 832
+  px, 22 frames.
 
 The video shapes of the Wan-based benches are shorter than a default generation (81 frames at 480p =
 32,760 tokens) where a 2-core CPU run of that would take minutes per block call; each docstring below
@@ -795,7 +802,8 @@ def run(case: Case, args) -> tuple[str, dict]:
 
 
 DEFAULT_SIZES = {"ltx": "2b", "qwen-image": "20b", "flux": "dev", "cogvideox": "5b", "chronoedit": "14b",
-                 "skyreels-v2": "1.3b", "wan-animate": "14b", "wan-vace": "1.3b", "flux2": "dev", "ltx2": "19b", "qwen-image-2.1": "default", "minimax-h3": "default"}
+                 "skyreels-v2": "1.3b", "wan-animate": "14b", "wan-vace": "1.3b", "flux2": "dev", "ltx2": "19b",
+                 "qwen-image-2.1": "default", "minimax-h3": "default"}
 
 
 def main(argv=None):
@@ -804,7 +812,8 @@ def main(argv=None):
     ap.add_argument("--family", dest="bench", choices=sorted(BENCHES), help=argparse.SUPPRESS)
     ap.add_argument("--size", default=None, help="released model size (ltx: 2b, 13b; qwen-image: 20b; flux: dev; "
                                                  "cogvideox: 5b; chronoedit, wan-animate: 14b; skyreels-v2, "
-                                                 "wan-vace: 1.3b, 14b; flux2: dev, klein-4b, klein-9b); "
+                                                 "wan-vace: 1.3b, 14b; flux2: dev, klein-4b, klein-9b; ltx2: 19b; "
+                                                 "qwen-image-2.1, minimax-h3: default); "
                                                  "default the first")
     ap.add_argument("--grid", default=None, help="latent token grid frames,height,width (default per benchmark: "
                                                  "ltx 21,16,22; qwen-image and flux 1,64,64; cogvideox 4,30,45)")

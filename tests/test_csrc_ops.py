@@ -685,13 +685,38 @@ def _int8_errors(out, lse, ref, ref_lse):
             (lse[~empty].double() - ref_lse[~empty].double()).abs().max().item())
 
 
+def _int8_refused(lib, reason):
+    """On a CPU without int8 dot products the kernel's int8 mode refuses with the reason, before computing."""
+    gen = torch.Generator().manual_seed(20)
+    q, k, v = _problem(gen, "BNSD", [16], [16], 1, 1, 16, 16, torch.float32)
+    idx, num = _selection(gen, [16], [16], 8, 8, 1, "all")
+    with pytest.raises(ValueError, match=r"precision='int8' cannot run on this CPU: the CPU has no int8 dot-product "
+                                         r"instructions"):
+        lib.rain_fusion_attention(q, k, v, idx, num, [8, 8], q_input_layout="BNSD", kv_input_layout="BNSD",
+                                  precision="int8")
+
+
+@pytest.fixture
+def int8_lib(lib):
+    """The operator library where this CPU runs the int8 mode (VNNI / AMX); elsewhere the test checks the kernel's
+    refusal and is skipped with the reason (the int8 numbers need such a CPU)."""
+    from lite_boost.ops.precision import cpu_int8_dot_reason
+
+    reason = cpu_int8_dot_reason()
+    if reason is not None:
+        _int8_refused(lib, reason)
+        pytest.skip(f"int8 attention kernel refused as documented: {reason}")
+    return lib
+
+
 @pytest.mark.parametrize("pv", [None, "fp32"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["TND", "BNSD"])
-def test_cpu_kernel_int8_matches_reference(lib, monkeypatch, pv, dtype, layout):
+def test_cpu_kernel_int8_matches_reference(int8_lib, monkeypatch, pv, dtype, layout):
     """precision="int8" against the fp64 reference on the same selection: ragged TND batches, GQA, paired and
     unpaired query blocks, several KV tiles per row, every input dtype; P V on the bf16 brgemm (the default
     where the CPU has AVX512-BF16) or in fp32 (LITE_BOOST_RF_INT8_PV=fp32, the path of CPUs without it)."""
+    lib = int8_lib
     _kernel_env(monkeypatch, INT8_PV=pv, KV_TILE="64")
     gen = torch.Generator().manual_seed(21)
     q_lens, kv_lens = ([150, 77], [260, 130]) if layout == "TND" else ([150, 150], [260, 260])
@@ -707,9 +732,10 @@ def test_cpu_kernel_int8_matches_reference(lib, monkeypatch, pv, dtype, layout):
 
 
 @pytest.mark.parametrize("pv", [None, "fp32"])
-def test_cpu_kernel_int8_odd_shapes(lib, monkeypatch, pv):
+def test_cpu_kernel_int8_odd_shapes(int8_lib, monkeypatch, pv):
     """Odd KV blocks (the bf16 V layout pads each block to an even length), a head dim that is not a multiple of
     4 (padded for the int8 dot products), Dv != D, a custom scale, rows that select nothing, one block, or all."""
+    lib = int8_lib
     _kernel_env(monkeypatch, INT8_PV=pv)
     gen = torch.Generator().manual_seed(22)
     q_lens, kv_lens = [70, 33], [121, 64]
@@ -732,14 +758,20 @@ def test_cpu_kernel_int8_precision_argument(lib):
     call = functools.partial(lib.rain_fusion_attention, q, k, v, idx, num, [8, 8], q_input_layout="BNSD",
                              kv_input_layout="BNSD")
     assert torch.equal(call(precision="auto")[0], call()[0])
-    assert not torch.equal(call(precision="int8")[0], call()[0])
+    from lite_boost.ops.precision import cpu_int8_dot_reason
+
+    if cpu_int8_dot_reason() is None:
+        assert not torch.equal(call(precision="int8")[0], call()[0])
+    else:  # a CPU without int8 dot products: the int8 mode is refused with the reason
+        _int8_refused(lib, cpu_int8_dot_reason())
     with pytest.raises(ValueError, match=r"precision must be one of \['auto', 'int8', 'fp8'\], got 'int4'"):
         call(precision="int4")
     with pytest.raises(ValueError, match="precision='fp8' is not supported by the CPU kernel"):
         call(precision="fp8")
 
 
-def test_opcheck_rain_fusion_attention_int8(lib):
+def test_opcheck_rain_fusion_attention_int8(int8_lib):
+    lib = int8_lib
     gen = torch.Generator().manual_seed(24)
     for layout, q_lens in (("BNSD", [24, 24]), ("TND", [24, 9])):
         q, k, v = _problem(gen, layout, q_lens, q_lens, 1, 2, 16, 16, torch.float32)

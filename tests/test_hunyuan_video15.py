@@ -128,9 +128,10 @@ def test_step_cache_equals_the_stock_diffusers_hook(method):
     stock = _latents(stock_pipe, spec, steps=4)
     pipe = lite_boost.boost(hy.hunyuan15_pipeline(spec), {"cache": {"method": method, **CACHES[method]}})
     got = _latents(pipe, spec, steps=4)
-    # TaylorSeer extrapolates from differences of the computed steps' outputs, which scales the
-    # ~1e-6 fp32 rounding differences of the boosted attention (1.1e-5 measured at outputs of ~1.5)
-    tol = 5e-5 if method == "taylorseer_cache" else TOL
+    # TaylorSeer extrapolates from differences of the computed steps' outputs, which scales the ~1e-6 fp32
+    # rounding differences of the boosted attention; how far depends on the CPU's kernels (outputs of ~1.5:
+    # 1.1e-5 on a Zen 4, 9.2e-5 on an AVX2-only Zen 3); still 5x below what the cache itself changes (> 1e-3)
+    tol = 2e-4 if method == "taylorseer_cache" else TOL
     assert (got - stock).abs().max().item() <= tol and (stock - plain).abs().max() > 1e-3
 
 

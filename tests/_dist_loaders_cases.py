@@ -154,29 +154,11 @@ CFG_REFUSAL_CASES = {f"{kind}_cfg2_refused": (kind, "cfg2") for kind in ("flux",
 ADAPTER_CASES = {**CFG_REFUSAL_CASES, **CONTROLNET_CASES, **IP_ADAPTER_CASES}
 
 
-def flux_ip_adapter(model, seed, clip_dim=8):
-    """A random IP-Adapter for ``model`` in the format of diffusers' Flux loader ({"image_proj", "ip_adapter"})."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    c, inner = model.config.joint_attention_dim, model.inner_dim
-
-    def r(*shape):
-        return torch.randn(*shape, generator=g) * 0.3
-
-    ip = {}
-    for i in range(len(model.transformer_blocks)):
-        ip.update({f"{i}.to_k_ip.weight": r(inner, c), f"{i}.to_k_ip.bias": r(inner),
-                   f"{i}.to_v_ip.weight": r(inner, c), f"{i}.to_v_ip.bias": r(inner)})
-    return {"image_proj": {"proj.weight": r(4 * c, clip_dim), "proj.bias": r(4 * c), "norm.weight": 1 + r(c),
-                           "norm.bias": r(c)}, "ip_adapter": ip}
-
-
 def _ip_pipeline():
     import _tiny_flux as tf
 
     pipe = tf.pipeline("t2i")
-    pipe.load_ip_adapter(flux_ip_adapter(pipe.transformer, 1), weight_name="ip_adapter.safetensors",
+    pipe.load_ip_adapter(tf.ip_adapter(pipe.transformer, 1), weight_name="ip_adapter.safetensors",
                          image_encoder_pretrained_model_name_or_path=None)
     pipe.set_ip_adapter_scale(0.7)
     return pipe

@@ -148,3 +148,19 @@ def transformer_inputs(spec: TinyFluxSpec = TinyFluxSpec(), *, batch=1, grid=(3,
     if spec.guidance_embeds:
         inputs["guidance"] = torch.tensor([3.5] * batch)
     return inputs
+
+
+def ip_adapter(model, seed, clip_dim=8):
+    """A random IP-Adapter for ``model`` in the format of diffusers' Flux loader ({"image_proj", "ip_adapter"})."""
+    g = torch.Generator().manual_seed(seed)
+    c, inner = model.config.joint_attention_dim, model.inner_dim
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g) * 0.3
+
+    ip = {}
+    for i in range(len(model.transformer_blocks)):
+        ip.update({f"{i}.to_k_ip.weight": r(inner, c), f"{i}.to_k_ip.bias": r(inner),
+                   f"{i}.to_v_ip.weight": r(inner, c), f"{i}.to_v_ip.bias": r(inner)})
+    return {"image_proj": {"proj.weight": r(4 * c, clip_dim), "proj.bias": r(4 * c), "norm.weight": 1 + r(c),
+                           "norm.bias": r(c)}, "ip_adapter": ip}

@@ -238,22 +238,6 @@ def test_flux_ip_adapter_on_boosted_pipeline_is_refused_before_anything_changes(
     assert [m.processor for m in model.modules() if hasattr(m, "set_processor")] == procs
 
 
-def _flux_ip_adapter(model, seed, clip_dim=8):
-    """A random IP-Adapter for ``model`` in the format of diffusers' Flux loader ({"image_proj", "ip_adapter"})."""
-    g = torch.Generator().manual_seed(seed)
-    c, inner = model.config.joint_attention_dim, model.inner_dim
-
-    def r(*shape):
-        return torch.randn(*shape, generator=g) * 0.3
-
-    ip = {}
-    for i in range(len(model.transformer_blocks)):
-        ip.update({f"{i}.to_k_ip.weight": r(inner, c), f"{i}.to_k_ip.bias": r(inner),
-                   f"{i}.to_v_ip.weight": r(inner, c), f"{i}.to_v_ip.bias": r(inner)})
-    return {"image_proj": {"proj.weight": r(4 * c, clip_dim), "proj.bias": r(4 * c), "norm.weight": 1 + r(c),
-                           "norm.bias": r(c)}, "ip_adapter": ip}
-
-
 @torch.no_grad()
 def test_flux_ip_adapter_loaded_before_boost_runs_on_the_generic_path_equal_to_stock():
     """An IP-Adapter loaded before boosting: the model goes to the generic path (diffusers' IP-Adapter processors, both
@@ -266,7 +250,7 @@ def test_flux_ip_adapter_loaded_before_boost_runs_on_the_generic_path_equal_to_s
     stock, pipe = tf.pipeline(), tf.pipeline()
     emb, neg = torch.randn(1, 1, 8, generator=torch.Generator().manual_seed(3)), torch.zeros(1, 1, 8)
     for p in (stock, pipe):
-        p.load_ip_adapter(_flux_ip_adapter(p.transformer, 1), weight_name="ip_adapter.safetensors",
+        p.load_ip_adapter(tf.ip_adapter(p.transformer, 1), weight_name="ip_adapter.safetensors",
                           image_encoder_pretrained_model_name_or_path=None)
         p.set_ip_adapter_scale(0.7)
 

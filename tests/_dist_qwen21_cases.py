@@ -45,10 +45,16 @@ CASES = {
     "turbo_ring_nokv": ("turbo", "ring", False, WIDE, None),
     "pipe_ulysses_sparse0": ("pipe", "ulysses", True, SPARSE, 0.0),
     "pipe_ulysses_sparse075": ("pipe", "ulysses", True, SPARSE, 0.75),
+    # 4 ranks: cfg 2 x a sequence degree of 2 (each CFG branch split over its two ranks)
+    "pipe_cfg2_ulysses2_kv": ("pipe", "cfg_ulysses", True, WIDE, None),
+    "pipe_cfg2_ring2_nokv": ("pipe", "cfg_ring", False, SQUARE, None),
+    "modular_cfg2_ulysses2_nokv": ("modular", "cfg_ulysses", False, SQUARE, None),
+    "modular_cfg2_ring2_kv": ("modular", "cfg_ring", True, WIDE, None),
 }
 
-CASES_2 = list(CASES)
-CASES_3 = [n for n, c in CASES.items() if c[1] != "cfg" and c[4] is None]  # cfg 2 needs an even world
+CASES_2 = [n for n, c in CASES.items() if not c[1].startswith("cfg_")]
+CASES_3 = [n for n, c in CASES.items() if not c[1].startswith("cfg") and c[4] is None]  # cfg 2 needs an even world
+CASES_4 = [n for n, c in CASES.items() if c[1].startswith("cfg_")]
 
 
 def cfg_on(kind) -> bool:
@@ -57,7 +63,9 @@ def cfg_on(kind) -> bool:
 
 
 def _config(world, layout, sparsity=None):
-    degrees = {"ulysses": {"ulysses_degree": world}, "ring": {"ring_degree": world}, "cfg": {"cfg_degree": 2}}[layout]
+    degrees = {"ulysses": {"ulysses_degree": world}, "ring": {"ring_degree": world}, "cfg": {"cfg_degree": 2},
+               "cfg_ulysses": {"cfg_degree": 2, "ulysses_degree": world // 2},
+               "cfg_ring": {"cfg_degree": 2, "ring_degree": world // 2}}[layout]
     cfg = {"parallel": {**degrees, "timeout_s": 120}}
     if sparsity is not None:
         cfg["sparse"] = {**_SPARSE, "sparsity": sparsity}

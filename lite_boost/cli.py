@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "of the built-in main job); without --model only families with a built-in tiny model run "
                           "(`lite-boost models`: tiny model)")
     gen.add_argument("--image", default=None, help="conditioning image: image-to-video")
+    gen.add_argument("--input", action="append", default=None, metavar="NAME=PATH", dest="inputs",
+                     help="another image or video argument of the pipeline, by its name (repeatable), e.g. "
+                          "--input pose_video=pose/ --input face_video=face/ (an animation pipeline), --input "
+                          "video=control/ --input mask=mask/ (a control-video pipeline): an image file gives one "
+                          "image, a folder of image files (in name order) or a video file (.mp4 / .gif, read with "
+                          "imageio) a list of frames")
     gen.add_argument("--prompt", default=None)
     gen.add_argument("--negative-prompt", default=None)
     gen.add_argument("--height", type=int, default=None,
@@ -555,6 +561,46 @@ def _pipeline_parameters(class_name: str) -> set[str] | None:
         return None
 
 
+# call arguments that have an option of their own (or are set by the command): not for --input
+_CLI_ARGUMENTS = {"prompt": "--prompt", "negative_prompt": "--negative-prompt", "image": "--image",
+                  "height": "--height", "width": "--width", "num_frames": "--num-frames",
+                  "num_inference_steps": "--steps", "generator": "--seed", "output_type": "the command's own"}
+
+
+def _required_parameters(class_name: str) -> list[str]:
+    """The arguments a diffusers pipeline class's ``__call__`` takes without a default (none when unknown)."""
+    try:
+        import diffusers
+
+        sig = inspect.signature(getattr(diffusers, class_name).__call__)
+    except Exception:  # noqa: BLE001 - unknown to this diffusers: the pipeline itself will say what it takes
+        return []
+    return [n for n, p in sig.parameters.items() if n != "self" and p.default is inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def read_input(path: str | os.PathLike):
+    """An ``--input`` value: an image file -> a PIL image; a folder of image files (name order) or a video file
+    (.mp4 / .gif / ..., read with imageio) -> a list of PIL RGB frames."""
+    from PIL import Image
+
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp", ".bmp"))
+        if not files:
+            raise SystemExit(f"lite-boost generate: --input folder {path} holds no image files (.png, .jpg, .jpeg, "
+                             ".webp, .bmp)")
+        return [Image.open(p).convert("RGB") for p in files]
+    if path.suffix.lower() in (".mp4", ".gif", ".webm", ".mov", ".avi", ".mkv"):
+        try:
+            import imageio.v3 as iio
+        except ImportError:
+            raise SystemExit(f"lite-boost generate: reading the video {path} needs imageio (pip install imageio "
+                             "imageio-ffmpeg), or pass a folder of frames") from None
+        return [Image.fromarray(frame).convert("RGB") for frame in iio.imiter(path)]
+    return Image.open(path).convert("RGB")
+
+
 class PlanExit(SystemExit):
     """SystemExit for a refusal of the planner: the message (``str(exc)``), and the exit status ``code``
     (:data:`EXIT_CODES`); :func:`main` prints the message to stderr."""
@@ -602,11 +648,24 @@ def check_family_options(family, class_name: str, args, config, world_size: int)
     params = _pipeline_parameters(class_name)
     if params is not None:
         if args.num_frames is not None and "num_frames" not in params:
+            what = ("takes no num_frames (the length of its video follows its inputs)" if family.output == "video"
+                    else "makes images")
             raise SystemExit(f"lite-boost generate: --num-frames is for video pipelines; {class_name} (the "
-                             f"{family.name} family) makes images")
+                             f"{family.name} family) {what}")
         if args.image is not None and "image" not in params:
             raise SystemExit(f"lite-boost generate: --image is not supported by {class_name}, which takes no "
                              "conditioning image")
+        names = [item.partition("=")[0] for item in args.inputs or ()]
+        unknown = [n for n in names if n not in params]
+        if unknown:
+            raise SystemExit(f"lite-boost generate: --input {unknown[0]}=...: {class_name} takes no argument "
+                             f"{unknown[0]!r}; its arguments: {sorted(params - {'self'})}")
+        missing = [n for n in _required_parameters(class_name)
+                   if n not in names and not (n == "image" and args.image is not None)]
+        if missing:
+            how = " ".join(f"--input {n}=PATH" if n != "image" else "--image PATH" for n in missing)
+            raise SystemExit(f"lite-boost generate: {class_name} (the {family.name} family) needs "
+                             f"{', '.join(missing)}; pass {how}")
     scale_arg = family.cfg_argument
     if args.guidance_scale is not None and (scale_arg is None or (params is not None and scale_arg not in params)):
         taken = (f"takes no {scale_arg} (the {family.name} family's classifier-free guidance argument)" if scale_arg
@@ -678,6 +737,15 @@ def _validate_generate(args) -> None:
         bad("--steps", args.steps, "a positive integer")
     if args.image is not None and not Path(args.image).is_file():
         bad("--image", args.image, "an existing image file")
+    for item in args.inputs or ():
+        name, sep, path = item.partition("=")
+        if not sep or not name.isidentifier() or not path:
+            bad("--input", item, "NAME=PATH (a pipeline argument name and a file or folder)")
+        if name in _CLI_ARGUMENTS:
+            bad("--input", item, f"a pipeline argument that has no option of its own ({name} has: "
+                                 f"{_CLI_ARGUMENTS[name]})")
+        if not Path(path).exists():
+            bad("--input", item, "NAME=PATH with an existing image file, folder of frames or video file")
     if args.model is not None and not Path(args.model, "model_index.json").is_file():
         bad("--model", args.model, "a diffusers pipeline folder (with model_index.json)")
     if args.config is not None and not Path(args.config).is_file():
@@ -785,6 +853,9 @@ def _call_kwargs(args, kind, tiny: bool, family, pipe=None):
         if "height" in kw and "width" in kw:
             image = image.resize((kw["width"], kw["height"]))
         kw["image"] = image
+    for item in getattr(args, "inputs", None) or ():
+        name, _, path = item.partition("=")
+        kw[name] = read_input(path)
     kw["_seed"] = args.seed
     return kw
 

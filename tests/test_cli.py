@@ -382,3 +382,95 @@ def test_boost_manager_yaml_as_config_is_checked_before_torchrun(no_launch, tmp_
     path.write_text("Parallel:\n  dit:\n    alg: TP\n")
     with pytest.raises(SystemExit, match=r"Parallel\.dit\.alg must be one of \['CP'\], got 'TP'"):
         main(["generate", "--config", str(path)])
+
+
+@pytest.fixture(scope="module")
+def saved_newer_family_pipelines(tmp_path_factory):
+    """Tiny random pipelines of the newer families, saved as diffusers folders, plus image / frame inputs."""
+    import numpy as np
+    from PIL import Image
+
+    import _tiny_wan_derived as wan_derived
+    from lite_boost.demo import demo_flux2_pipeline, demo_ltx2_pipeline
+
+    root = tmp_path_factory.mktemp("newer")
+    demo_flux2_pipeline("t2i").save_pretrained(root / "flux2")  # no text encoder: random prompt embeddings
+    demo_ltx2_pipeline("t2v").save_pretrained(root / "ltx2")
+    for family in ("skyreels-v2", "wan-vace", "chronoedit", "wan-animate"):
+        wan_derived.pipeline(family).save_pretrained(root / family)
+    rng = np.random.RandomState(0)
+
+    def frames(name, count, size, mode="RGB"):
+        (root / name).mkdir()
+        for i in range(count):
+            pixels = (rng.rand(size[1], size[0], 3) * 255).astype("uint8")
+            img = Image.fromarray(pixels) if mode == "RGB" else Image.new("L", size, 0 if i == 0 else 255)
+            img.save(root / name / f"{i:03d}.png")
+
+    Image.fromarray((rng.rand(48, 80, 3) * 255).astype("uint8")).save(root / "image.png")
+    frames("control", 5, (80, 48))
+    frames("mask", 5, (80, 48), mode="L")
+    frames("pose", 5, (80, 48))
+    frames("face", 5, (16, 16))
+    return root
+
+
+NEWER_MODEL_RUNS = {  # folder -> (pipeline class, kind, output, flags; paths relative to the saved root)
+    "flux2": ("Flux2KleinPipeline", "t2i", "image", ["--height", "64", "--width", "96"]),
+    "ltx2": ("LTX2Pipeline", "t2v", "video", ["--height", "64", "--width", "96", "--num-frames", "9"]),
+    "skyreels-v2": ("SkyReelsV2Pipeline", "t2v", "video", ["--num-frames", "5"]),
+    "wan-vace": ("WanVACEPipeline", "t2v", "video", ["--num-frames", "5", "--input", "video=control",
+                                                      "--input", "mask=mask"]),
+    "chronoedit": ("ChronoEditPipeline", "i2v", "video", ["--num-frames", "5", "--image", "image.png"]),
+    "wan-animate": ("WanAnimatePipeline", "i2v", "video", ["--image", "image.png", "--input", "pose_video=pose",
+                                                           "--input", "face_video=face"]),
+}
+
+
+def _rooted(root, flags):
+    """The flags with the saved root put in front of relative input paths."""
+    out = []
+    for f in flags:
+        if f.endswith(".png"):
+            f = str(root / f)
+        elif "=" in f and not f.startswith("-"):
+            name, _, path = f.partition("=")
+            f = f"{name}={root / path}"
+        out.append(f)
+    return out
+
+
+@pytest.mark.parametrize("folder", list(NEWER_MODEL_RUNS))
+def test_generate_model_of_the_newer_families_matches_stock(saved_newer_family_pipelines, tmp_path, capsys, folder):
+    """`lite-boost generate --model PATH` on a saved pipeline of each newer family: the family is read from the
+    folder, image / frame inputs reach the pipeline (--image, --input NAME=PATH), and the boosted output equals
+    stock's within 1e-5."""
+    root = saved_newer_family_pipelines
+    cls, kind, what, flags = NEWER_MODEL_RUNS[folder]
+    size = [] if "--height" in flags else ["--height", "48", "--width", "80"]
+    assert main(["generate", "--model", str(root / folder), *size, "--steps", "2", "--warmup", "0",
+                 "--sparsity", "0", *_rooted(root, flags), "--output", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert f"lite-boost generate: {kind}, {root / folder} ({cls}, the {folder} family)" in out, out[:400]
+    diff = float(re.search(rf"max \|boosted - stock\| over the {what} \(values in \[0, 1\]\): (\S+)", out).group(1))
+    assert diff <= 1e-5
+
+
+def test_pipeline_inputs_are_checked_before_anything_runs(saved_newer_family_pipelines, no_launch):
+    root = saved_newer_family_pipelines
+    animate = ["generate", "--model", str(root / "wan-animate"), "--image", str(root / "image.png")]
+    with pytest.raises(SystemExit, match=r"WanAnimatePipeline \(the wan-animate family\) needs pose_video, face_video; "
+                                         r"pass --input pose_video=PATH --input face_video=PATH"):
+        main(animate)
+    with pytest.raises(SystemExit, match=r"--input bogus=\.\.\.: WanAnimatePipeline takes no argument 'bogus'; its "
+                                         r"arguments: \[.*'face_video'.*'pose_video'"):
+        main([*animate, "--input", f"bogus={root / 'pose'}"])
+    with pytest.raises(SystemExit, match=r"--num-frames is for video pipelines; WanAnimatePipeline \(the wan-animate "
+                                         r"family\) takes no num_frames"):
+        main([*animate, "--num-frames", "5"])
+    for value, fragment in ((f"prompt={root / 'pose'}", r"a pipeline argument that has no option of its own \(prompt "
+                                                        r"has: --prompt\)"),
+                            ("pose_video", r"--input must be NAME=PATH"),
+                            (f"pose_video={root / 'nowhere'}", r"NAME=PATH with an existing image file")):
+        with pytest.raises(SystemExit, match=fragment):
+            main([*animate, "--input", value])

@@ -292,7 +292,10 @@ class ParallelConfig(_ConfigMixin):
         block's gather prefetched while the current one computes), then freed again. It overlaps the
         other axes: the ranks that share the weights are the same ranks that split the sequence and
         the CFG branches, so it must divide the world size (groups of contiguous ranks: with
-        ``fsdp_degree <= sequence_degree`` a group lies inside one sequence group). 1 = off.
+        ``fsdp_degree <= sequence_degree`` a group lies inside one sequence group). 1 = off. With
+        ``tp_degree > 1`` it must divide ``world_size / tp_degree``: FSDP shards the tensor-parallel shards
+        further over the ranks with the same tp rank (one 2-D ``DeviceMesh`` ("fsdp", "tp")), so a rank
+        keeps ``1 / (tp_degree x fsdp_degree)`` of the split Linear layers.
     fsdp_text_encoder: with ``fsdp_degree > 1``, shard the pipeline's text encoder(s) the same way.
     layout: "manual" (the degrees above) or "auto": ``ParallelManager`` asks the memory planner
         (:mod:`lite_boost.memory`, ``lite-boost plan``) for the layout that fits ``device_memory`` per rank
@@ -342,10 +345,6 @@ class ParallelConfig(_ConfigMixin):
         _check_int("tp_degree", self.tp_degree, lo=1)
         _check_int("fsdp_degree", self.fsdp_degree, lo=1)
         _check_bool("fsdp_text_encoder", self.fsdp_text_encoder)
-        if self.tp_degree > 1 and self.fsdp_degree > 1:
-            raise ConfigError(f"tp_degree={self.tp_degree} and fsdp_degree={self.fsdp_degree} cannot be combined "
-                              "(2-D FSDP x TP sharding is not available); use one of them: valid (tp_degree, "
-                              f"fsdp_degree) here: [({self.tp_degree}, 1), (1, {self.fsdp_degree})]")
         if self.vae_parallel != "chunked":
             mode = f"{self.vae_parallel!r}" if self.vae_parallel else "None (exact when world_size > 1)"
             for name in ("vae_chunk_size", "vae_overlap"):
@@ -361,7 +360,7 @@ class ParallelConfig(_ConfigMixin):
         (sequence_degree, or ulysses_degree x ring_degree), at least fsdp_degree, or ``world_size`` when that is
         larger; 1 = one process can run this config."""
         seq = self.sequence_degree or (self.ulysses_degree or 1) * (self.ring_degree or 1)
-        return max(self.cfg_degree * self.tp_degree * seq, self.fsdp_degree, self.world_size or 1)
+        return max(self.cfg_degree * self.tp_degree * seq, self.fsdp_degree * self.tp_degree, self.world_size or 1)
 
     def _check_layout(self) -> None:
         _check_choice("layout", self.layout, LAYOUTS)
@@ -409,6 +408,15 @@ class ParallelConfig(_ConfigMixin):
             raise ConfigError(
                 f"tp_degree={tp} does not divide world_size={world_size} / cfg_degree={self.cfg_degree} = {rest}; "
                 f"valid tp_degree values: {[d for d in range(1, rest + 1) if rest % d == 0]}"
+            )
+        if tp > 1 and (world_size // tp) % self.fsdp_degree:
+            rest = world_size // self.cfg_degree
+            pairs = [(t, f) for t in range(1, rest + 1) if rest % t == 0
+                     for f in range(1, world_size // t + 1) if (world_size // t) % f == 0]
+            raise ConfigError(
+                f"fsdp_degree={self.fsdp_degree} does not divide world_size={world_size} / tp_degree={tp} = "
+                f"{world_size // tp} (the fsdp groups are the ranks with the same tp rank); valid (tp_degree, "
+                f"fsdp_degree) pairs for world_size={world_size}, cfg_degree={self.cfg_degree}: {pairs}"
             )
         if world_size % self.fsdp_degree:
             raise ConfigError(

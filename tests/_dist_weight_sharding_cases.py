@@ -184,6 +184,71 @@ def wan_transformer_tp(mesh, *, heads=4, i2v=True, grid=(3, 3, 5)):
     return out
 
 
+def wan_transformer_tp_fsdp(mesh, *, heads=4, grid=(3, 3, 5)):
+    """Wan I2V transformer under tp 2 x fsdp 2 (one 2-D DeviceMesh, world 4, sequence 1): parity over two steps,
+    the 2-D placements and local bytes of the split Linears (a quarter each), the prefetch, the distributed q / k
+    norm, and unparallelize bringing back exactly the original weights."""
+    import lite_boost
+    from lite_boost.demo import tiny_wan_transformer
+    from lite_boost.parallel import ParallelManager, unparallelize
+    from lite_boost.parallel.shard import DistributedRMSNorm
+    from torch.distributed.tensor import DTensor
+
+    spec = _wan_spec(heads, True)
+    x, ctx, kw = _wan_inputs(True, grid)
+    ref_model = lite_boost.boost(tiny_wan_transformer(spec))
+    model = tiny_wan_transformer(spec)
+    original = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    linears = {n for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and n.startswith("blocks.") and ".norm" not in n}
+    ParallelManager(model, {"parallel": {"tp_degree": 2, "fsdp_degree": 2, "timeout_s": TIMEOUT_S}}, mesh=mesh)
+    q = model.blocks[0].attn1.to_q.weight
+    out = {"heads": (model.blocks[0].attn1.heads, model.blocks[0].attn2.heads), "fsdp_ranks": list(mesh.fsdp.ranks),
+           "tp_ranks": list(mesh.tp.ranks), "q_mesh": tuple(q.device_mesh.mesh_dim_names or ()),
+           "q_placements": [type(pl).__name__ for pl in q.placements], "q_local": tuple(q.to_local().shape),
+           "norm_distributed": isinstance(model.blocks[0].attn1.norm_q.__dict__.get("forward"), DistributedRMSNorm)}
+    split = {"local": 0, "total": 0}  # the weights of the planned (split) Linears of the blocks
+    rest = {"local": 0, "total": 0}  # everything else (FSDP-sharded only)
+    for name, p in model.named_parameters():
+        owner = name.rsplit(".", 1)[0]
+        if not isinstance(p, DTensor):
+            continue
+        bucket = split if (owner in linears and name.endswith(".weight") and len(p.placements) == 2) else rest
+        bucket["local"] += p.to_local().numel() * p.element_size()
+        bucket["total"] += p.numel() * p.element_size()
+    out["split"], out["rest"] = split, rest
+    out["linear_full"] = sum(v.numel() * v.element_size() for k, v in original.items()
+                             if k.rsplit(".", 1)[0] in linears and k.endswith(".weight"))
+    blocks = list(model.blocks)
+    seen = []
+
+    def probe(i):
+        def hook(module, args):
+            seen.append(blocks[i + 1]._get_fsdp_state()._fsdp_param_group._all_gather_result is not None)
+        return hook
+
+    handles = [blocks[i].register_forward_pre_hook(probe(i)) for i in range(len(blocks) - 1)]
+    steps = (torch.tensor([900.0]), torch.tensor([600.0]))
+    with torch.no_grad():
+        refs = [ref_model(x, t, ctx, **kw).sample for t in steps]
+        out["diffs"] = [_diff(model(x, t, ctx, **kw).sample, r) for t, r in zip(steps, refs)]
+    for h in handles:
+        h.remove()
+    out["prefetch_seen"] = list(seen)
+    unparallelize(model)
+    state = model.state_dict()
+    out["state_keys_equal"] = sorted(state) == sorted(original)
+    out["state_max_diff"] = max(((state[k] - v).abs().max().item() if state[k].shape == v.shape else float("inf"))
+                                for k, v in original.items() if k in state)
+    out["unsharded_plain"] = all(type(p) is torch.nn.Parameter for p in model.parameters())
+    out["heads_after"] = (model.blocks[0].attn1.heads, model.blocks[0].attn2.heads)
+    out["class_restored"] = all(type(b).__name__ == "WanTransformerBlock" for b in model.blocks)
+    with torch.no_grad():
+        out["unsharded_diff"] = _diff(model(x, steps[0], ctx, **kw).sample, refs[0])
+    out["ref_abs"] = refs[0].abs().max().item()
+    return out
+
+
 def wan_pipeline(mesh, parallel, *, heads=3, two_stage=True, extra=None):
     """Wan2.2 two-stage T2V pipeline (two experts, text encoder) under ``parallel`` (and ``extra`` boost options:
     a step cache, sparse attention, applied to the reference too): parity, local bytes, block work done."""
@@ -269,6 +334,7 @@ CASES = {
                         lambda mesh: qwen_pipeline(mesh, {"cfg_degree": 2, "fsdp_degree": 2})),
     # world 4
     "wan_i2v_tp2_ulysses2": ({"tp_degree": 2}, lambda mesh: wan_transformer_tp(mesh)),
+    "wan_i2v_tp2_fsdp2": ({"tp_degree": 2, "fsdp_degree": 2}, lambda mesh: wan_transformer_tp_fsdp(mesh)),
     "wan_cfg2_ulysses2_fsdp2": ({"cfg_degree": 2, "fsdp_degree": 2},
                                 lambda mesh: wan_pipeline(mesh, {"cfg_degree": 2, "fsdp_degree": 2},
                                                           two_stage=False)),

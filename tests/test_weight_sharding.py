@@ -24,17 +24,19 @@ TOL = 1e-5
 CASES_2 = ["wan_i2v_fsdp2_ulysses2", "wan_i2v_tp2", "wan_fsdp2_quant", "wan22_cfg2_fsdp2_fbc_sparse", "qwen_tp2", "qwen_cfg2_fsdp2",
            "flux_tp2"]
 CASES_4 = ["wan_i2v_tp2_ulysses2", "wan_cfg2_ulysses2_fsdp2"]
+SPAWNS = {2: (2, CASES_2), 4: (4, CASES_4), "tp_fsdp": (4, ["wan_i2v_tp2_fsdp2"])}  # one spawn each
 _RESULTS = {}
 
 
-def _results(world):
-    if world not in _RESULTS:
-        _RESULTS[world] = run_ranks(cases.run_cases, world, {2: CASES_2, 4: CASES_4}[world], timeout=600)
-    return _RESULTS[world]
+def _results(key):
+    if key not in _RESULTS:
+        world, names = SPAWNS[key]
+        _RESULTS[key] = run_ranks(cases.run_cases, world, names, timeout=600)
+    return _RESULTS[key]
 
 
-def _each(world, name):
-    return [res[name] for res in _results(world)]
+def _each(key, name):
+    return [res[name] for res in _results(key)]
 
 
 def _halves(local_total_per_rank):
@@ -118,6 +120,26 @@ def test_world_4_tp2_ulysses2_and_cfg2_ulysses2_fsdp2():
     _halves([r["dtensor"]["transformer"] for r in results[:2]])  # one fsdp group = ranks 0, 1
 
 
+def test_world_4_tp2_x_fsdp2_on_one_2d_mesh():
+    """tp 2 x Ulysses 2 x fsdp 2: FSDP shards the tp shards over the ranks with the same tp rank."""
+    results = _each("tp_fsdp", "wan_i2v_tp2_fsdp2")
+    for rank, r in enumerate(results):
+        assert r["ref_abs"] > 0.1 and max(r["diffs"]) <= TOL and r["unsharded_diff"] <= TOL, r
+        assert r["tp_ranks"] == [rank - rank % 2, rank - rank % 2 + 1], r
+        assert r["fsdp_ranks"] == [rank % 2, rank % 2 + 2], r  # same tp rank, both sequence positions
+        assert r["q_mesh"] == ("fsdp", "tp") and len(r["q_placements"]) == 2, r
+        assert r["q_local"] == (24, 96), r  # 96 output rows / (tp 2 x fsdp 2)
+        assert r["heads"] == (2, 2) and r["heads_after"] == (4, 4) and r["norm_distributed"], r
+        assert r["prefetch_seen"] == [True] * 4, r
+        # the split Linears: all of them are 2-D DTensors, a quarter on each rank
+        assert r["split"]["total"] == r["linear_full"], r
+        assert 0.24 * r["linear_full"] <= r["split"]["local"] <= 0.26 * r["linear_full"], r
+        assert 0.45 * r["rest"]["total"] <= r["rest"]["local"] <= 0.55 * r["rest"]["total"], r
+        assert r["state_keys_equal"] and r["state_max_diff"] == 0.0, r
+        assert r["unsharded_plain"] and r["class_restored"], r
+    assert sum(r["split"]["local"] for r in results) == results[0]["linear_full"]
+
+
 # ---------------------------------------------------------------- configuration and refusals (one process)
 def _env(world, monkeypatch):
     for k, v in {"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
@@ -137,8 +159,17 @@ def test_degrees_resolve_and_refuse_with_valid_choices():
     with pytest.raises(ConfigError, match=r"valid \(ulysses_degree, ring_degree\) pairs .*tp_degree=2: \[\(1, 4\), "
                                           r"\(2, 2\), \(4, 1\)\]"):
         ParallelConfig(tp_degree=2, ulysses_degree=3).resolve_mesh(8)
-    with pytest.raises(ConfigError, match="tp_degree and fsdp_degree|cannot be combined"):
-        ParallelConfig(tp_degree=2, fsdp_degree=2)
+    # fsdp x tp: fsdp_degree divides world_size / tp_degree (the fsdp groups share a tp rank)
+    assert ParallelConfig(tp_degree=2, fsdp_degree=2).resolve_mesh(4) == (1, 2, 1)
+    assert ParallelConfig(tp_degree=2, fsdp_degree=2, cfg_degree=2).resolve_mesh(4) == (2, 1, 1)
+    assert ParallelConfig(tp_degree=2, fsdp_degree=4).resolve_mesh(8) == (1, 4, 1)
+    assert ParallelConfig(tp_degree=2, fsdp_degree=2).processes_needed() == 4
+    with pytest.raises(ConfigError, match=r"fsdp_degree=4 does not divide world_size=4 / tp_degree=2 = 2 .*valid "
+                                          r"\(tp_degree, fsdp_degree\) pairs for world_size=4, cfg_degree=1: "
+                                          r"\[\(1, 1\), \(1, 2\), \(1, 4\), \(2, 1\), \(2, 2\), \(4, 1\)\]"):
+        ParallelConfig(tp_degree=2, fsdp_degree=4).resolve_mesh(4)
+    with pytest.raises(ConfigError, match=r"fsdp_degree=4 does not divide world_size=12 / tp_degree=2 = 6"):
+        ParallelConfig(tp_degree=2, fsdp_degree=4).resolve_mesh(12)  # 4 divides 12, not the 6 ranks per tp rank
     with pytest.raises(ConfigError, match="fsdp_degree must be >= 1"):
         ParallelConfig(fsdp_degree=0)
     with pytest.raises(ConfigError, match="fsdp_text_encoder must be True or False"):
@@ -160,7 +191,10 @@ def test_mesh_layout_with_tp_innermost_and_contiguous_fsdp_groups():
     assert tp == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert seq == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert cfg == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert fsdp == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # with tp, an fsdp group holds fsdp_degree consecutive cfg x sequence positions of one tp rank
+    assert fsdp == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert _mesh_ranks(1, 4, tp_degree=2, fsdp_degree=2)[5] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert _mesh_ranks(2, 4, fsdp_degree=4)[5] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # without tp: contiguous ranks
     # without tp the layout is unchanged
     assert _mesh_ranks(2, 2)[:2] == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
 
@@ -172,6 +206,9 @@ def test_mesh_layout_with_tp_innermost_and_contiguous_fsdp_groups():
     ({"fsdp_degree": 3}, 2, r"fsdp_degree=3 does not divide world_size=2; valid fsdp_degree values: \[1, 2\]"),
     ({"tp_degree": 3}, 2, r"tp_degree=3 does not divide world_size=2 / cfg_degree=1 = 2; valid tp_degree values: "
                           r"\[1, 2\]"),
+    ({"tp_degree": 2, "fsdp_degree": 4}, 4, r"fsdp_degree=4 does not divide world_size=4 / tp_degree=2 = 2 .*"
+                                            r"valid \(tp_degree, fsdp_degree\) pairs .*\(2, 2\), \(4, 1\)\]"),
+    ({"tp_degree": 2, "fsdp_degree": 2}, 4, r"tp_degree=2 does not divide the 3 attention heads .*: \[1\]"),
 ])
 def test_bad_degrees_for_the_model_fail_before_any_collective(parallel, world, match, monkeypatch):
     from lite_boost.demo import TinyWanSpec, tiny_wan_pipeline

@@ -21,11 +21,13 @@ sequence for its heads.
 
 FSDP weight sharding does not add an axis: ``fsdp_degree`` ranks that already do different work
 (tokens, CFG branch) share one copy of the weights. Its groups are contiguous blocks of
-``fsdp_degree`` ranks, so a group lies inside one sequence group when ``fsdp_degree <=
+``fsdp_degree`` ranks (with ``tp_degree > 1``: of ``fsdp_degree`` cfg x sequence positions, one group
+per tp rank, i.e. the ranks ``(o + i) * tp_degree + tp_rank``, so FSDP shards each tp shard further), so a group lies inside one sequence group when ``fsdp_degree <=
 sequence_degree`` (the ranks that run the same number of blocks per step, whatever a data-dependent
 step cache decides, since those decisions are made once per sequence group) and spans the CFG
 branches beyond that. :meth:`ParallelMesh.device_mesh` wraps the fsdp and tp groups as named
-``torch.distributed.device_mesh.DeviceMesh`` objects for ``fully_shard`` and ``parallelize_module``.
+``torch.distributed.device_mesh.DeviceMesh`` objects for ``fully_shard`` and ``parallelize_module`` (with
+both degrees > 1: the two dimensions of one 2-D mesh, FSDP2's 2-D pattern).
 
 Nothing here is a process-wide singleton: the mesh is an ordinary object owned by whoever created it
 (``ParallelManager`` keeps it on the boosted model's state). The only global state touched is
@@ -191,7 +193,11 @@ class ParallelMesh:
 
     def device_mesh(self, name: str):
         """The ``torch.distributed`` ``DeviceMesh`` of this rank's ``name`` group ("tp" or "fsdp"), with that
-        dimension name (built once, on the mesh's existing process group: no collective)."""
+        dimension name (built once, on the mesh's existing process groups: no collective).
+
+        With both ``tp_degree`` and ``fsdp_degree`` > 1 the two are the named dimensions of one 2-D mesh
+        (``("fsdp", "tp")``, rows = fsdp group rank, columns = tp rank: :meth:`device_mesh_2d`), as FSDP2
+        requires for DTensor parameters; each is returned as its slice of that mesh."""
         from torch.distributed.device_mesh import DeviceMesh
 
         if name not in ("tp", "fsdp"):
@@ -200,10 +206,29 @@ class ParallelMesh:
         if comm.size == 1:
             raise ValueError(f"{name}_degree is 1: no {name} device mesh")
         if name not in self._device_meshes:
-            group = comm.group if comm.group is not None else dist.group.WORLD
-            self._device_meshes[name] = DeviceMesh.from_group(group, self.device.type, mesh=list(comm.ranks),
-                                                              mesh_dim_names=(name,))
+            if self.tp_degree > 1 and self.fsdp_degree > 1:
+                self._device_meshes[name] = self.device_mesh_2d()[name]
+            else:
+                group = comm.group if comm.group is not None else dist.group.WORLD
+                self._device_meshes[name] = DeviceMesh.from_group(group, self.device.type, mesh=list(comm.ranks),
+                                                                  mesh_dim_names=(name,))
         return self._device_meshes[name]
+
+    def device_mesh_2d(self):
+        """The 2-D ``DeviceMesh`` ("fsdp", "tp") of this rank's fsdp x tp block of ranks (tp_degree and
+        fsdp_degree > 1): entry ``[i][k]`` is the global rank with fsdp group rank ``i`` and tp rank ``k``; its
+        dimensions use the mesh's existing fsdp and tp process groups (no collective)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if self.tp_degree == 1 or self.fsdp_degree == 1:
+            raise ValueError(f"tp_degree={self.tp_degree}, fsdp_degree={self.fsdp_degree}: a 2-D fsdp x tp device "
+                             "mesh needs both > 1")
+        if "2d" not in self._device_meshes:
+            t = self.tp_degree
+            ranks = [[(r // t) * t + k for k in range(t)] for r in self.fsdp.ranks]
+            self._device_meshes["2d"] = DeviceMesh.from_group([self.fsdp.group, self.tp.group], self.device.type,
+                                                              mesh=ranks, mesh_dim_names=("fsdp", "tp"))
+        return self._device_meshes["2d"]
 
     @property
     def ulysses_rank(self) -> int:
@@ -277,7 +302,10 @@ def _mesh_ranks(cfg_degree: int, sequence_degree: int, ulysses_degree: int | Non
     uly_groups = [[g(c, i * u + j, k) for j in range(u)] for c in range(cfg_degree) for i in range(r) for k in range(t)]
     ring_groups = [[g(c, i * u + j, k) for i in range(r)] for c in range(cfg_degree) for j in range(u) for k in range(t)]
     tp_groups = [[g(c, s, k) for k in range(t)] for c in range(cfg_degree) for s in range(sequence_degree)]
-    fsdp_groups = [list(range(i, i + fsdp_degree)) for i in range(0, world, fsdp_degree)]
+    # fsdp: contiguous blocks of fsdp_degree "outer" ranks (cfg x sequence position), one group per tp rank
+    outer = world // t
+    fsdp_groups = [[(o + i) * t + k for i in range(fsdp_degree)] for o in range(0, outer, fsdp_degree)
+                   for k in range(t)]
     return seq_groups, cfg_groups, uly_groups, ring_groups, tp_groups, fsdp_groups
 
 

@@ -10,9 +10,12 @@ The model (per rank, one transformer call, inference: no autograd state):
 
 * **weights** of the transformer at rest: replicated = all of them; ``tp_degree`` t = the blocks' Linear
   layers / t (attention heads and FFN columns / rows), the rest whole; ``fsdp_degree`` f = everything / f;
-  ``offload`` = what lies outside the blocks plus two blocks (the running one and the one being uploaded).
+  both (FSDP over the ranks with the same tp rank) = (the blocks' Linear layers / t + the rest) / f, i.e. the
+  split Linears / (t x f); ``offload`` = what lies outside the blocks plus two blocks (the running one and the
+  one being uploaded).
 * **FSDP gather working set** (``gather``, during a call only): the unsharded parameters a rank holds while
-  it computes one block and prefetches the next, :func:`fsdp_gather_blocks` x the largest block. The multiple
+  it computes one block and prefetches the next, :func:`fsdp_gather_blocks` x the largest block (with
+  ``tp_degree`` t: one tp shard of it, its Linear layers / t). The multiple
   depends on the collective backend (:data:`FSDP_GATHER_BLOCKS`): on gloo, 4 whole blocks, measured
   (``benchmarks/bench_memory.py``: each rank grows by 4.0 blocks during a call at fsdp 2 and at fsdp 4 alike:
   the all-gather output, FSDP2's copy-in / copy-out buffers and gloo's own staging, for the running block
@@ -270,15 +273,18 @@ def estimate(dims: ModelDims, layout: Layout, tokens: int, *, text_encoder: bool
     t, f, L = layout.tp, layout.fsdp, dims.layers
     blocks, other, block = dims.blocks_params, dims.other_params, dims.block_params
     gathered = fsdp_gather_blocks(f, backend)
+    linear = dims.blocks_linear_params
+    # one tp shard of the largest block (its Linear layers / t): what an FSDP gather brings back under tp x fsdp
+    block_shard = block - (block * linear / blocks if blocks else 0) * (t - 1) / t
     if layout.offload:
         weights = other + 2 * block
-    elif t > 1:
-        weights = blocks - dims.blocks_linear_params + dims.blocks_linear_params / t + other
+    elif t > 1:  # the split Linears / t, the rest whole; with fsdp everything / f on top
+        weights = (blocks - linear + linear / t + other) / f
     elif f > 1:
         weights = (blocks + other) / f
     else:
         weights = blocks + other
-    gather = gathered * block
+    gather = gathered * block_shard
     te = 0.0
     if text_encoder and dims.text_encoder_params:
         te_all, te_block = dims.text_encoder_params, dims.text_encoder_block_params
@@ -315,7 +321,7 @@ def estimate(dims: ModelDims, layout: Layout, tokens: int, *, text_encoder: bool
     if t > 1:
         traffic += L * 2 * 2 * s * dims.hidden * (t - 1) / t
     if f > 1:
-        traffic += (blocks + other) * (f - 1) / f
+        traffic += (blocks - linear + linear / t + other) * (f - 1) / f
     if layout.offload:
         traffic += blocks * HOST_LINK_FACTOR
     return Estimate(layout, int(weights * b), int(te * b), int(activations * b), int(attention * b), int(traffic * b),
@@ -330,7 +336,8 @@ def candidate_layouts(dims: ModelDims, world: int, *, cfg: bool = True, tp: bool
                       ring: bool = True, offload: bool = True) -> list[Layout]:
     """Every layout of ``world`` ranks the switches allow: cfg in (1, 2), tp dividing the heads and the FFN
     width, the sequence ranks on Ulysses up to the heads each TP rank holds and the rest on Ring, FSDP
-    over any divisor of the world (not with tp), offload with neither tp nor fsdp."""
+    over any divisor of world / tp (with tp: over the ranks with the same tp rank, sharding the tp shards),
+    offload with neither tp nor fsdp."""
     out = []
     for c in ((1, 2) if cfg else (1,)):
         if world % c:
@@ -343,7 +350,7 @@ def candidate_layouts(dims: ModelDims, world: int, *, cfg: bool = True, tp: bool
             r = seq // u
             if r > 1 and not ring:
                 continue
-            for fd in (_divisors(world) if (fsdp and t == 1) else [1]):
+            for fd in (_divisors(world // t) if fsdp else [1]):
                 out.append(Layout(c, t, u, r, fd))
                 if offload and fd == 1 and t == 1:
                     out.append(Layout(c, t, u, r, 1, True))

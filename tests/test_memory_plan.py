@@ -76,6 +76,16 @@ def test_estimates_follow_the_real_module():
     assert fsdp4.weights == total // 4 and fsdp4.gather == 2 * block * 3 // 4  # NCCL / HCCL: assumed
     gloo = estimate(dims, Layout(ulysses=4, fsdp=4), tokens, backend="gloo")
     assert gloo.gather == 4 * block and gloo.weights == fsdp4.weights  # gloo: 4 whole blocks, measured
+    # tp 2 x fsdp 2: FSDP shards the tp shards (the split Linears / 4, the rest / 2); a gather brings back one tp
+    # shard of a block (its Linears / 2)
+    block_linear = sum(m.weight.numel() * 4 + m.bias.numel() * 4 for m in model.blocks[0].modules()
+                       if isinstance(m, torch.nn.Linear))
+    both = estimate(dims, Layout(tp=2, ulysses=2, fsdp=2), tokens, backend="gloo")
+    assert abs(both.weights - (total - linear // 2) / 2) <= 4, (both.weights, total, linear)
+    assert abs(both.gather - 4 * (block - block_linear // 2)) <= 4, (both.gather, block, block_linear)
+    # what FSDP adds to tp 2 x ulysses 2: gathering the other half of this rank's tp shard of every unit
+    fsdp_moved = both.traffic - estimate(dims, Layout(tp=2, ulysses=2), tokens, backend="gloo").traffic
+    assert abs(fsdp_moved - (total - linear // 2) / 2) <= 8, (fsdp_moved, total, linear)
     assert gloo.total == gloo.weights + gloo.text_encoder + gloo.gather + gloo.activations
     assert gloo.host == HOST_RUNTIME_BYTES  # the runtime's host memory: reported beside the device total, not in it
     # sequence ranks divide the activations; cfg on separate-call pipelines does not
@@ -120,7 +130,9 @@ def test_candidate_layouts_cover_the_world_and_respect_the_heads():
     layouts = candidate_layouts(dims, 8)
     assert all(lay.world == 8 for lay in layouts)
     assert {lay.tp for lay in layouts} == {1, 2, 4, 8}  # 40 heads, FFN 13824: all divide
-    assert not any(lay.tp > 1 and lay.fsdp > 1 for lay in layouts)
+    # fsdp x tp: FSDP over the ranks with the same tp rank, so fsdp divides world / tp
+    assert {(lay.tp, lay.fsdp) for lay in layouts if lay.tp > 1 and lay.fsdp > 1} == {(2, 2), (2, 4), (4, 2)}
+    assert all((8 // lay.tp) % lay.fsdp == 0 for lay in layouts)
     assert not any(lay.offload and (lay.fsdp > 1 or lay.tp > 1) for lay in layouts)
     three = ModelDims("x", 2, 3, 8, 24, 24, 64, 100, 200, 150, 50)
     assert {lay.tp for lay in candidate_layouts(three, 4)} == {1}  # 3 heads: no tp

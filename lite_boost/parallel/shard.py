@@ -35,6 +35,9 @@ across all heads (``TensorParallelPlan.norms``, Wan's ``qk_norm="rms_norm_across
 distributed RMS norm: the sum of squares is all-reduced over the tp group, each rank scales its own
 features by its slice of the weight.
 
+Both together (FSDP2 + TP): the tp plan is applied first on the "tp" dimension of one 2-D DeviceMesh
+("fsdp", "tp"), then :func:`shard_weights` on its "fsdp" dimension shards the DTensor weights further.
+
 Both are undone by :meth:`remove` (a collective: the full weights are all-gathered back).
 """
 
@@ -356,7 +359,9 @@ def _units(module, names):
 
 def shard_weights(module: torch.nn.Module, mesh, comm: Communicator, *, prefetch: bool = True,
                   root_params: bool = False) -> FsdpShards:
-    """``fully_shard`` ``module`` over ``mesh`` (a 1-D DeviceMesh of the fsdp group ``comm``) unit by unit.
+    """``fully_shard`` ``module`` over ``mesh`` (a 1-D DeviceMesh of the fsdp group ``comm``; with tensor
+    parallelism the "fsdp" dimension of the 2-D ("fsdp", "tp") mesh whose "tp" dimension holds the DTensor
+    weights :func:`apply_tensor_parallel` made, which FSDP then shards further) unit by unit.
 
     Units: every repeated block, every other child holding parameters (embeddings, output projection),
     then ``module`` itself as the FSDP root (it sets up the shared communication state; each block

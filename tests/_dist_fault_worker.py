@@ -8,6 +8,8 @@ pipe_raise / pipe_die / pipe_hang: the same inside a tiny Wan pipeline under Par
 fsdp_raise / fsdp_die / fsdp_hang: a tiny Wan transformer under fsdp_degree = world size; the faulty rank
 fails as its second forward starts the patch embedding's weight all-gather (the first collective of a
 forward); the healthy ranks print the error they raise (it must name the all-gather and the fsdp group).
+fsdptp_die: the same under tp_degree 2 x fsdp_degree = world size / 2 (the fsdp groups hold the ranks with the
+same tp rank: the error names that group's global ranks).
 tp_die: a tiny Wan transformer under tp_degree = world size; the faulty rank dies as its second forward
 reaches blocks.0.attn1.to_out.0, whose row-wise output all-reduce the healthy ranks then wait for.
 Every healthy rank runs Ulysses attention in a loop; it must exit non-zero (never hang) on a fault.
@@ -61,8 +63,12 @@ def fsdp_main(mode, faulty, timeout_s):
     from lite_boost.parallel import ParallelManager
 
     world = int(os.environ["WORLD_SIZE"])
-    model = ParallelManager(tiny_wan_transformer(TinyWanSpec(heads=2)),
-                            {"parallel": {"fsdp_degree": world, "timeout_s": timeout_s}})
+    if mode.startswith("fsdptp"):  # tp 2 x fsdp world/2 on the 2-D mesh: fsdp groups = ranks of one tp rank
+        heads, parallel = 4, {"tp_degree": 2, "fsdp_degree": world // 2}
+    else:
+        heads, parallel = 2, {"fsdp_degree": world}
+    model = ParallelManager(tiny_wan_transformer(TinyWanSpec(heads=heads)),
+                            {"parallel": dict(parallel, timeout_s=timeout_s)})
     rank = model._lite_boost.extras["parallel"].mesh.rank
     group = model.patch_embedding._get_fsdp_state()._fsdp_param_group
     inner, calls = group.unshard, [0]

@@ -34,6 +34,20 @@ def _dtensor_bytes(module):
     return local, total
 
 
+def _dtensor_bytes_2d(module):
+    """(local bytes, global bytes) of ``module``'s parameters sharded on both dimensions of a 2-D mesh
+    (fsdp x tp: the split Linear weights)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    local = total = 0
+    for p in module.parameters():  # (colwise: FSDP's placement is a _StridedShard of the tp-sharded rows)
+        if isinstance(p, DTensor) and len(p.placements) == 2 and not any(isinstance(pl, Replicate)
+                                                                          for pl in p.placements):
+            local += p.to_local().numel() * p.element_size()
+            total += p.numel() * p.element_size()
+    return local, total
+
+
 def _bytes(module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
@@ -269,7 +283,8 @@ def wan_pipeline(mesh, parallel, *, heads=3, two_stage=True, extra=None):
     mods = {"transformer": pipe.transformer, "transformer_2": pipe.transformer_2, "text_encoder": pipe.text_encoder}
     full = {k: _bytes(m) for k, m in mods.items() if m is not None}
     ParallelManager(pipe, dict(extra, parallel=dict(parallel, timeout_s=TIMEOUT_S)), mesh=mesh)
-    out = {"full": full, "dtensor": {k: _dtensor_bytes(m) for k, m in mods.items() if m is not None}}
+    out = {"full": full, "dtensor": {k: _dtensor_bytes(m) for k, m in mods.items() if m is not None},
+           "dtensor_2d": _dtensor_bytes_2d(pipe.transformer)}
     with count_block_work([pipe.transformer, pipe.transformer_2]) as work:
         got = pipe(**pipeline_kwargs("t2v", **call)).frames
     out["diff"] = _diff(got, ref)
@@ -335,6 +350,9 @@ CASES = {
     # world 4
     "wan_i2v_tp2_ulysses2": ({"tp_degree": 2}, lambda mesh: wan_transformer_tp(mesh)),
     "wan_i2v_tp2_fsdp2": ({"tp_degree": 2, "fsdp_degree": 2}, lambda mesh: wan_transformer_tp_fsdp(mesh)),
+    "wan_cfg2_tp2_fsdp2": ({"cfg_degree": 2, "tp_degree": 2, "fsdp_degree": 2},
+                           lambda mesh: wan_pipeline(mesh, {"cfg_degree": 2, "tp_degree": 2, "fsdp_degree": 2},
+                                                     heads=4, two_stage=False)),
     "wan_cfg2_ulysses2_fsdp2": ({"cfg_degree": 2, "fsdp_degree": 2},
                                 lambda mesh: wan_pipeline(mesh, {"cfg_degree": 2, "fsdp_degree": 2},
                                                           two_stage=False)),

@@ -24,7 +24,7 @@ TOL = 1e-5
 CASES_2 = ["wan_i2v_fsdp2_ulysses2", "wan_i2v_tp2", "wan_fsdp2_quant", "wan22_cfg2_fsdp2_fbc_sparse", "qwen_tp2", "qwen_cfg2_fsdp2",
            "flux_tp2"]
 CASES_4 = ["wan_i2v_tp2_ulysses2", "wan_cfg2_ulysses2_fsdp2"]
-SPAWNS = {2: (2, CASES_2), 4: (4, CASES_4), "tp_fsdp": (4, ["wan_i2v_tp2_fsdp2"])}  # one spawn each
+SPAWNS = {2: (2, CASES_2), 4: (4, CASES_4), "tp_fsdp": (4, ["wan_i2v_tp2_fsdp2", "wan_cfg2_tp2_fsdp2"])}  # one spawn each
 _RESULTS = {}
 
 
@@ -140,6 +140,20 @@ def test_world_4_tp2_x_fsdp2_on_one_2d_mesh():
     assert sum(r["split"]["local"] for r in results) == results[0]["linear_full"]
 
 
+def test_world_4_cfg2_tp2_fsdp2_pipeline():
+    """cfg 2 x tp 2, fsdp 2 (sequence 1): the fsdp groups span the CFG branches; the text encoder is sharded over
+    them too (no tp); the transformer's split weights are 2-D DTensors."""
+    results = _each("tp_fsdp", "wan_cfg2_tp2_fsdp2")
+    for r in results:
+        assert r["ref_abs"] > 0.1 and r["diff"] <= TOL, r
+        assert "sequence 0/1" in r["mesh"] and "tp" in r["mesh"] and "fsdp" in r["mesh"], r["mesh"]
+    _halves([results[i]["dtensor"]["text_encoder"] for i in (0, 2)])  # one fsdp group = ranks 0, 2 (tp rank 0)
+    # the split Linear weights: a quarter on each rank, all four ranks together hold each element once
+    total = results[0]["dtensor_2d"][1]
+    assert total > 0.5 * results[0]["full"]["transformer"], results[0]
+    assert [r["dtensor_2d"] for r in results] == [(total // 4, total)] * 4, results
+
+
 # ---------------------------------------------------------------- configuration and refusals (one process)
 def _env(world, monkeypatch):
     for k, v in {"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
@@ -249,19 +263,21 @@ def test_ffn_width_and_quant_refused(monkeypatch):
 
 
 # ---------------------------------------------------------------- a rank dies in a weight all-gather
-@pytest.mark.parametrize("mode, collective", [
-    ("fsdp_die", "'fsdp_all_gather[patch_embedding]' on the fsdp group"),  # a weight all-gather
-    ("tp_die", "'tp_all_reduce[blocks.0.attn1.to_out.0]' on the tp group"),  # a row-wise output all-reduce
+@pytest.mark.parametrize("mode, world, faulty, collective, ranks", [
+    ("fsdp_die", 2, 1, "'fsdp_all_gather[patch_embedding]' on the fsdp group", [0, 1]),  # a weight all-gather
+    ("tp_die", 2, 1, "'tp_all_reduce[blocks.0.attn1.to_out.0]' on the tp group", [0, 1]),  # a row-wise all-reduce
+    # tp 2 x fsdp 2 (2-D mesh): rank 0's fsdp group is [0, 2] (the ranks with tp rank 0)
+    ("fsdptp_die", 4, 2, "'fsdp_all_gather[patch_embedding]' on the fsdp group", [0, 2]),
 ])
-def test_rank_dying_in_a_weight_collective_makes_the_others_raise_naming_it(mode, collective):
+def test_rank_dying_in_a_weight_collective_makes_the_others_raise_naming_it(mode, world, faulty, collective, ranks):
     timeout_s = 4.0
-    procs = launch_fault_workers(os.path.join(HERE, "_dist_fault_worker.py"), mode, 2, 1, timeout_s)
+    procs = launch_fault_workers(os.path.join(HERE, "_dist_fault_worker.py"), mode, world, faulty, timeout_s)
     try:
         code = procs[0].wait(timeout=90 + timeout_s)  # start-up, then the failure (a closed peer or the timeout)
         log = procs[0].communicate(timeout=10)[0]
         assert code != 0, log
-        assert f"CollectiveError: collective {collective} (global ranks [0, 1]" in log, log
-        assert procs[1].wait(timeout=30) == 3
+        assert f"CollectiveError: collective {collective} (global ranks {ranks}" in log, log
+        assert procs[faulty].wait(timeout=30) == 3
     finally:
         stop_workers(procs)
 

@@ -232,7 +232,7 @@ class FsdpShards:
         full = {}
         for name, p in module.named_parameters():
             if isinstance(p, DTensor):
-                full[name] = (self.comm._call("fsdp_all_gather[unshard]", p.full_tensor), p.requires_grad)
+                full[name] = (self.comm._call("fsdp_all_gather[unshard]", _full_tensor, p), p.requires_grad)
         for m in self.sharded:
             state = m._get_fsdp_state()
             for handle in {id(h): h for h in (state._pre_forward_hook_handle, state._post_forward_hook_handle)}.values():
@@ -258,6 +258,16 @@ class FsdpShards:
         for packed in self.packed:
             packed.unpack()
         self.sharded, self.packed = [], []
+
+
+def _full_tensor(p) -> torch.Tensor:
+    """The full tensor of DTensor ``p``; on a 2-D fsdp x tp mesh the fsdp dimension is gathered first, then the tp
+    one (one all-gather each: torch will not merge the two when both shard the same dimension)."""
+    from torch.distributed.tensor import Replicate
+
+    if p.device_mesh.ndim == 2:
+        p = p.redistribute(p.device_mesh, (Replicate(), p.placements[1]))
+    return p.full_tensor()
 
 
 PACKED_SEP = "__"  # weight -> weight__qdata, weight__scale, ...

@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "axis: nproc = cfg x tp x sequence degree; default 1)")
     gen.add_argument("--fsdp-degree", type=int, default=1,
                      help="FSDP2 weight sharding: transformer blocks (and text encoder) split over this many ranks, "
-                          "gathered block by block; overlaps the other axes, must divide --nproc (default 1)")
+                          "gathered block by block; overlaps the other axes, must divide --nproc (with --tp-degree: "
+                          "--nproc / tp degree, FSDP over the ranks with the same tp rank; default 1)")
     gen.add_argument("--vae-parallel", default=None, choices=["exact", "chunked", "off"],
                      help="VAE decode/encode over the ranks (default exact when --nproc > 1)")
     gen.add_argument("--vae-overlap", type=int, default=None,

@@ -292,8 +292,12 @@ def test_cli_flags_reach_the_config_and_bad_degrees_stop_before_torchrun():
     args = build_parser().parse_args(["generate", "--nproc", "4", "--tp-degree", "2"])
     _validate_generate(args)
     assert _boost_config(args).parallel.tp_degree == 2
+    args = build_parser().parse_args(["generate", "--nproc", "4", "--tp-degree", "2", "--fsdp-degree", "2"])
+    _validate_generate(args)
+    assert (_boost_config(args).parallel.tp_degree, _boost_config(args).parallel.fsdp_degree) == (2, 2)
     for flags, match in ((["--tp-degree", "3"], r"valid tp_degree values: \[1, 2, 4\]"),
                          (["--fsdp-degree", "3"], r"valid fsdp_degree values: \[1, 2, 4\]"),
-                         (["--fsdp-degree", "0"], "--fsdp-degree must be a positive integer")):
+                         (["--fsdp-degree", "0"], "--fsdp-degree must be a positive integer"),
+                         (["--tp-degree", "2", "--fsdp-degree", "4"], r"valid \(tp_degree, fsdp_degree\) pairs")):
         with pytest.raises(SystemExit, match=match):
             _validate_generate(build_parser().parse_args(["generate", "--nproc", "4", *flags]))

@@ -110,5 +110,22 @@ def apply_parallel_plan(target, plan: Plan, *, init_method: str | None = None):
     apply_plan(target, plan)
     if move and config.quant is None:
         target.to(mesh.device)
+    reoffload = None
+    if config.offload is not None and mesh.fsdp_degree > 1:
+        # FSDP2's CPUOffloadPolicy keeps these weights on the host (parallelize): lite_boost's block offload hooks
+        # (left by an earlier unparallelize, or a boost that saw no fsdp_degree) must not manage them as well
+        import torch
+
+        from .offload import offload_module, remove_offload
+        from .parallel.manager import fsdp_offloaded_encoders
+
+        for module in list(plan.models) + [getattr(target, n) for n in fsdp_offloaded_encoders(target, config,
+                                                                                                 mesh.fsdp_degree)]:
+            remove_offload(module)
+        onload = torch.device(config.offload.onload_device or mesh.device)
+
+        def reoffload(module):  # unparallelize: the full weights back on the host, offloaded block by block again
+            offload_module(module, config.offload, onload)
+
     return parallelize(target, list(plan.models), list(plan.parts["sharding"]), plan.pipeline, config, mesh,
-                       vae_adapter=plan.parts["vae"], tp_plans=list(plan.parts["weights"]))
+                       vae_adapter=plan.parts["vae"], tp_plans=list(plan.parts["weights"]), reoffload=reoffload)

@@ -37,7 +37,7 @@ from torch import nn
 from .config import BoostConfig, ConfigError, OffloadConfig
 
 __all__ = ["OffloadRecord", "RECORD_ATTR", "check_offload_support", "existing_offload", "layer_stacks",
-           "offload_module", "offload_pipeline", "offload_record", "offload_summary", "reapply_user_offload", "remove_offload", "restore_pipeline",
+           "offload_module", "offload_pipeline", "offload_record", "fsdp_cpu_offload_units", "offload_summary", "reapply_user_offload", "remove_offload", "restore_pipeline",
            "resolve_onload_device", "stream_device"]
 
 logger = logging.getLogger("lite_boost.offload")
@@ -187,13 +187,31 @@ def check_offload_support(target, config: BoostConfig, *, device: torch.device |
                               "offload keeps that offloading (and stays exact), or remove it first "
                               "(pipe.remove_all_hooks() / a fresh load) to use lite_boost's offload")
     par = config.parallel
-    for name in ("fsdp_degree", "tp_degree"):
-        degree = getattr(par, name, None)
-        if isinstance(degree, int) and degree > 1:
-            raise ConfigError(f"offload (BoostConfig.offload) with parallel.{name}={degree}: both decide where a "
-                              f"weight lives; {name} already keeps 1/{degree} of the sharded weights per rank. Use one "
-                              f"of them; valid {name} with offload: [1]")
+    tp = getattr(par, "tp_degree", 1)
+    if isinstance(tp, int) and tp > 1:
+        raise ConfigError(f"offload (BoostConfig.offload) with parallel.tp_degree={tp}: not built (the block offload "
+                          "hooks move whole parameters, and a tensor-parallel weight is a DTensor whose local shard "
+                          "must stay on its mesh's device). Valid: tp_degree=1 with offload, offload with "
+                          "fsdp_degree > 1 (FSDP2's CPUOffloadPolicy), or tp_degree without offload")
+    fsdp = getattr(par, "fsdp_degree", 1)
+    if isinstance(fsdp, int) and fsdp > 1:
+        # FSDP2's CPUOffloadPolicy keeps the shards in host memory and gathers unit by unit on the rank's device
+        if cfg.disk_path is not None:
+            raise ConfigError(f"offload.disk_path with parallel.fsdp_degree={fsdp}: FSDP2's CPUOffloadPolicy keeps "
+                              "the shards in host memory, not in files; valid disk_path with fsdp_degree > 1: [None]")
+        if cfg.num_blocks_per_group != 1:
+            raise ConfigError(f"offload.num_blocks_per_group={cfg.num_blocks_per_group} with parallel.fsdp_degree="
+                              f"{fsdp}: FSDP gathers one block per unit; valid num_blocks_per_group with "
+                              "fsdp_degree > 1: [1]")
+        if device is not None and cfg.onload_device is not None and not _same_device(onload, torch.device(device)):
+            raise ConfigError(f"offload.onload_device={cfg.onload_device!r} with parallel.fsdp_degree={fsdp}: FSDP "
+                              f"gathers the blocks on the rank's device; valid onload_device here: [None, "
+                              f"{str(torch.device(device))!r}]")
     return onload
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
 # ------------------------------------------------------------------------------------------ layer stacks
@@ -297,16 +315,43 @@ def offload_record(module) -> OffloadRecord | None:
 
 def offload_summary(target) -> str:
     """One line: what is offloaded, where it computes, uploads so far (``lite-boost generate``'s summary)."""
-    parts = []
+    parts, fsdp = [], []
     for name, module in _modules_of(target):
         record = offload_record(module)
         if record is not None:
             parts.append(f"{name or type(module).__name__} ({record.blocks} block groups, {record.onloads} uploads)")
+        elif fsdp_cpu_offload_units(module):
+            fsdp.append(f"{name or type(module).__name__} ({fsdp_cpu_offload_units(module)} FSDP units)")
+    if fsdp:
+        parts_text = f"; {', '.join(parts)} offloaded block by block" if parts else ""
+        return ("offload: FSDP2 CPUOffloadPolicy, shards in host memory, each unit's shards copied to "
+                f"{_fsdp_device(target)} for its all-gather: {', '.join(fsdp)}{parts_text}")
     if not parts:
         return "offload: off (weights where they were put)"
     first = next(r for r in (offload_record(m) for _, m in _modules_of(target)) if r is not None)
     how = "next block uploaded on a side stream" if first.use_stream else "each block uploaded when it runs"
     return f"offload: host memory -> {first.onload_device}, {how}: {', '.join(parts)}"
+
+
+def fsdp_cpu_offload_units(module) -> int:
+    """How many FSDP2 units of ``module`` keep their shards in host memory (``CPUOffloadPolicy``; 0: none)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    n = 0
+    for m in module.modules() if isinstance(module, nn.Module) else ():
+        get = getattr(m, "_get_fsdp_state", None)
+        group = get()._fsdp_param_group if get is not None else None
+        n += group is not None and isinstance(group.offload_policy, CPUOffloadPolicy)
+    return n
+
+
+def _fsdp_device(target) -> str:
+    for _, module in _modules_of(target):
+        for m in module.modules():
+            get = getattr(m, "_get_fsdp_state", None)
+            if get is not None:
+                return str(get()._device)
+    return "?"
 
 
 def remove_offload(module: nn.Module) -> None:

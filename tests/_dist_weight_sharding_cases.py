@@ -333,7 +333,125 @@ def flux_transformer_tp(mesh, *, heads=4):
             "heads": model.single_transformer_blocks[0].attn.heads}
 
 
+def _count_offloaded_gathers(model):
+    """Count, per FSDP parameter, the all-gather inputs taken through FSDP2's CPU-offload branch (the shard copied
+    from host memory to the mesh's device): each parameter's instance gets a subclass whose property counts
+    (test instrumentation only). Returns (counter dict, number of FSDP parameters)."""
+    counts = {"offloaded": 0, "other": 0}
+    params = []
+    for m in model.modules():
+        get = getattr(m, "_get_fsdp_state", None)
+        group = get()._fsdp_param_group if get is not None else None
+        params += list(group.fsdp_params) if group is not None else []
+    for fp in params:
+        base = type(fp)
+
+        class Counting(base):
+            @property
+            def all_gather_inputs(self):
+                counts["offloaded" if self.offload_to_cpu else "other"] += 1
+                return base.all_gather_inputs.fget(self)
+
+        fp.__class__ = Counting
+    return counts, len(params)
+
+
+def wan_transformer_fsdp_offload(mesh, *, heads=3, grid=(3, 3, 5)):
+    """Wan I2V transformer, fsdp 2 x Ulysses 2 with ``offload``: FSDP2's CPUOffloadPolicy instead of lite_boost's
+    block hooks (parity over two steps, the policy on every unit, every gather taken through its host-copy branch,
+    the next block's gather prefetched), then unparallelize (full plain weights on the host, offloaded block by
+    block again: parity, uploads counted) and unboost (no hooks, parity)."""
+    import lite_boost
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.tensor import DTensor
+
+    from lite_boost.demo import tiny_wan_transformer
+    from lite_boost.offload import fsdp_cpu_offload_units, offload_record, offload_summary
+    from lite_boost.parallel import ParallelManager, unparallelize
+
+    spec = _wan_spec(heads, True)
+    x, ctx, kw = _wan_inputs(True, grid)
+    ref_model = lite_boost.boost(tiny_wan_transformer(spec))
+    model = tiny_wan_transformer(spec)
+    full_bytes = _bytes(model)
+    ParallelManager(model, {"offload": True, "parallel": {"fsdp_degree": 2, "timeout_s": TIMEOUT_S}}, mesh=mesh)
+    out = {"full_bytes": full_bytes, "record": offload_record(model) is not None, "summary": offload_summary(model),
+           "units": fsdp_cpu_offload_units(model), "blocks": len(model.blocks)}
+    out["dtensor_local"], out["dtensor_total"] = _dtensor_bytes(model)
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+    groups = [g for g in groups if g is not None]
+    out["policies"] = sorted({type(g.offload_policy).__name__ for g in groups})
+    out["pinned"] = any(g.offload_policy.pin_memory for g in groups if isinstance(g.offload_policy, CPUOffloadPolicy))
+    out["shard_devices"] = sorted({p.to_local().device.type for p in model.parameters() if isinstance(p, DTensor)})
+    out["offload_to_cpu"] = all(fp.offload_to_cpu for g in groups for fp in g.fsdp_params)
+    out["block_hooks"] = sum(hasattr(b, "_diffusers_hook") and b._diffusers_hook.get_hook("group_offloading") is not None
+                             for b in model.blocks)
+    counts, n_params = _count_offloaded_gathers(model)
+    blocks = list(model.blocks)
+    seen = []
+
+    def probe(i):
+        def hook(module, args):
+            seen.append(blocks[i + 1]._get_fsdp_state()._fsdp_param_group._all_gather_result is not None)
+        return hook
+
+    handles = [blocks[i].register_forward_pre_hook(probe(i)) for i in range(len(blocks) - 1)]
+    steps = (torch.tensor([900.0]), torch.tensor([600.0]))
+    with torch.no_grad():
+        refs = [ref_model(x, t, ctx, **kw).sample for t in steps]
+        out["diffs"] = [_diff(model(x, t, ctx, **kw).sample, r) for t, r in zip(steps, refs)]
+    for h in handles:
+        h.remove()
+    out["prefetch_seen"], out["gathers"], out["fsdp_params"] = list(seen), dict(counts), n_params
+    unparallelize(model)
+    rec = offload_record(model)
+    out["unsharded_plain"] = all(type(p) is torch.nn.Parameter for p in model.parameters())
+    out["unsharded_bytes"] = _bytes(model)
+    out["class_restored"] = all(type(b).__name__ == "WanTransformerBlock" for b in model.blocks)
+    out["reoffloaded"] = rec is not None and rec.blocks == len(model.blocks)
+    with torch.no_grad():
+        out["unsharded_diff"] = _diff(model(x, steps[0], ctx, **kw).sample, refs[0])
+    out["reoffload_uploads"] = rec.onloads if rec is not None else 0
+    lite_boost.unboost(model)
+    out["unboosted"] = offload_record(model) is None and all(type(p) is torch.nn.Parameter for p in model.parameters())
+    with torch.no_grad():
+        out["unboosted_diff"] = _diff(model(x, steps[0], ctx, **kw).sample, refs[0])
+    out["ref_abs"] = refs[0].abs().max().item()
+    return out
+
+
+def wan_pipeline_fsdp_offload(mesh, *, heads=3):
+    """Wan T2V pipeline, fsdp 2 x Ulysses 2 with ``offload``: the transformer and the text encoder sharded with
+    CPUOffloadPolicy (no block hooks on either), parity with the one-process boosted pipeline, then unboost."""
+    import lite_boost
+    from lite_boost.demo import TinyWanSpec, tiny_wan_pipeline
+    from lite_boost.offload import fsdp_cpu_offload_units, offload_record, offload_summary
+    from lite_boost.parallel import ParallelManager
+
+    from conftest import pipeline_kwargs
+
+    spec = TinyWanSpec(heads=heads, head_dim=24)
+    call = dict(height=32, width=80, num_frames=5, steps=2)
+    ref = lite_boost.boost(tiny_wan_pipeline("t2v", spec=spec))(**pipeline_kwargs("t2v", **call)).frames
+    pipe = tiny_wan_pipeline("t2v", spec=spec)
+    ParallelManager(pipe, {"offload": True, "parallel": {"fsdp_degree": 2, "timeout_s": TIMEOUT_S}}, mesh=mesh)
+    out = {"units": {k: fsdp_cpu_offload_units(getattr(pipe, k)) for k in ("transformer", "text_encoder")},
+           "records": [offload_record(getattr(pipe, k)) is not None for k in ("transformer", "text_encoder")],
+           "dtensor": {k: _dtensor_bytes(getattr(pipe, k)) for k in ("transformer", "text_encoder")},
+           "summary": offload_summary(pipe)}
+    out["diff"] = _diff(pipe(**pipeline_kwargs("t2v", **call)).frames, ref)
+    lite_boost.unboost(pipe)
+    out["unboosted"] = all(offload_record(getattr(pipe, k)) is None and fsdp_cpu_offload_units(getattr(pipe, k)) == 0
+                           and all(type(p) is torch.nn.Parameter for p in getattr(pipe, k).parameters())
+                           for k in ("transformer", "text_encoder"))
+    out["unboosted_diff"] = _diff(pipe(**pipeline_kwargs("t2v", **call)).frames, ref)
+    out["ref_abs"] = ref.abs().max().item()
+    return out
+
+
 CASES = {
+    "wan_i2v_fsdp2_offload": ({"fsdp_degree": 2}, lambda mesh: wan_transformer_fsdp_offload(mesh)),
+    "wan_fsdp2_offload_pipeline": ({"fsdp_degree": 2}, lambda mesh: wan_pipeline_fsdp_offload(mesh)),
     # world 2
     "wan_i2v_fsdp2_ulysses2": ({"fsdp_degree": 2}, lambda mesh: wan_transformer_fsdp(mesh)),
     "wan_i2v_tp2": ({"tp_degree": 2}, lambda mesh: wan_transformer_tp(mesh)),

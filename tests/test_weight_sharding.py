@@ -6,7 +6,8 @@ bringing the full weights back), Wan I2V under tp 2 and tp 2 x Ulysses 2, a Wan2
 under cfg 2 x fsdp 2 (both experts and the text encoder sharded, with a step cache and block-sparse attention), cfg 2 x
 Ulysses 2 x fsdp 2, and
 Qwen-Image (joint attention, diffusers' ``_tp_plan``) under tp 2 and cfg 2 x fsdp 2, Flux.1 under tp 2
-(its packed single-block projection). Every rank's local
+(its packed single-block projection), and fsdp 2 x Ulysses 2 with ``offload`` (FSDP2's CPUOffloadPolicy: a Wan I2V
+transformer and a Wan T2V pipeline with its text encoder). Every rank's local
 parameter bytes are checked against the sharded modules' sizes.
 """
 
@@ -22,7 +23,7 @@ from lite_boost.parallel.groups import _mesh_ranks
 
 TOL = 1e-5
 CASES_2 = ["wan_i2v_fsdp2_ulysses2", "wan_i2v_tp2", "wan_fsdp2_quant", "wan22_cfg2_fsdp2_fbc_sparse", "qwen_tp2", "qwen_cfg2_fsdp2",
-           "flux_tp2"]
+           "flux_tp2", "wan_i2v_fsdp2_offload", "wan_fsdp2_offload_pipeline"]
 CASES_4 = ["wan_i2v_tp2_ulysses2", "wan_cfg2_ulysses2_fsdp2"]
 SPAWNS = {2: (2, CASES_2), 4: (4, CASES_4), "tp_fsdp": (4, ["wan_i2v_tp2_fsdp2", "wan_cfg2_tp2_fsdp2"])}  # one spawn each
 _RESULTS = {}
@@ -90,6 +91,39 @@ def test_fsdp_two_experts_text_encoder_cfg2_cached_sparse():
         _halves([r["dtensor"][key] for r in results])
         # the text encoder's tied input embedding stays whole; the rest is sharded
         assert results[0]["dtensor"][key][1] >= (0.5 if key == "text_encoder" else 0.99) * results[0]["full"][key]
+
+
+def test_fsdp_with_offload_uses_fsdp2_cpu_offload_policy():
+    """offload x fsdp 2 (x Ulysses 2): FSDP2's CPUOffloadPolicy manages the weights, lite_boost's block hooks none.
+    On gloo the mesh device is the host, so the policy's host-to-device copies move nothing: what is checked is
+    that every gather went through the policy's copy branch, the exact output, and the way back."""
+    results = _each(2, "wan_i2v_fsdp2_offload")
+    for r in results:
+        assert r["ref_abs"] > 0.1 and max(r["diffs"]) <= TOL, r
+        assert not r["record"] and r["block_hooks"] == 0, r  # no block offload hooks on the sharded transformer
+        # blocks, the other children with weights and the root: every param group has the policy (no pinning on
+        # the CPU), every shard is in host memory and every all-gather input came through the offload branch
+        assert r["policies"] == ["CPUOffloadPolicy"] and r["units"] >= r["blocks"] and not r["pinned"], r
+        assert r["shard_devices"] == ["cpu"] and r["offload_to_cpu"], r
+        assert r["gathers"] == {"offloaded": 2 * r["fsdp_params"], "other": 0} and r["fsdp_params"] > 0, r
+        assert r["prefetch_seen"] == [True] * 4, r  # the next block's gather in flight when a block starts
+        assert "FSDP2 CPUOffloadPolicy" in r["summary"], r
+        # unparallelize: full plain weights, offloaded block by block again (one upload per group), same output
+        assert r["unsharded_plain"] and r["class_restored"] and r["unsharded_bytes"] == r["full_bytes"], r
+        assert r["reoffloaded"] and r["reoffload_uploads"] == r["blocks"] + 1 and r["unsharded_diff"] <= TOL, r
+        assert r["unboosted"] and r["unboosted_diff"] <= TOL, r
+        assert r["dtensor_total"] > 0.99 * r["full_bytes"], r
+    _halves([(r["dtensor_local"], r["dtensor_total"]) for r in results])
+
+
+def test_fsdp_with_offload_pipeline_transformer_and_text_encoder():
+    results = _each(2, "wan_fsdp2_offload_pipeline")
+    for r in results:
+        assert r["ref_abs"] > 0.1 and r["diff"] <= TOL and r["unboosted_diff"] <= TOL, r
+        assert r["records"] == [False, False] and all(n > 0 for n in r["units"].values()), r
+        assert "text_encoder" in r["summary"] and r["unboosted"], r
+    for key in ("transformer", "text_encoder"):
+        _halves([r["dtensor"][key] for r in results])
 
 
 def test_tensor_parallel_wan_i2v():

@@ -214,7 +214,9 @@ def boost_model(family, model, config: BoostConfig | None = None, onload_device=
             rope.forward = source.forward(rope, state)
             state.extra_ropes.append(source.module)
     install_sparse(model, state)  # block-sparse self-attention when config.sparse asks for it
-    if config.offload is not None:  # before the step cache: a skipped block is then not uploaded either
+    # before the step cache: a skipped block is then not uploaded either. Under FSDP (ParallelManager,
+    # fsdp_degree > 1) FSDP2's CPUOffloadPolicy keeps the shards on the host instead: no block hooks here
+    if config.offload is not None and config.parallel.fsdp_degree <= 1:
         offload_module(model, config.offload, onload_device)
     install_cache(model, state, checked=plan is not None)  # diffusers' step-cache hooks when config.cache asks
     install_loader_guards(model, state)  # what diffusers' loaders may do to the boosted instance
@@ -300,7 +302,10 @@ def boost_pipeline(family, pipe, config: BoostConfig | None = None, onload_devic
         boost_model(family, module, config, onload_device, plan=plan)
         attach_pipeline(module, pipe)  # the sparse schedule follows pipe.scheduler's step
         attach_step_check(module, pipe)  # sparse / cache settings that do nothing at a run's step count: said
-    offload_pipeline(pipe, config.offload, family.pipeline.transformers, onload_device)
+    from ..parallel.manager import fsdp_offloaded_encoders  # (FSDP2's CPUOffloadPolicy keeps those on the host)
+
+    offload_pipeline(pipe, config.offload, tuple(family.pipeline.transformers) + tuple(fsdp_offloaded_encoders(pipe, config)),
+                     onload_device)
     install_pipeline_guards(pipe)
     return pipe
 

@@ -479,17 +479,43 @@ def text_encoders(target) -> list:
     return out
 
 
-def _shard_model(model, state, tp_plan, mesh: ParallelMesh) -> None:
+def fsdp_offload_options(config: BoostConfig, *, text_encoder: bool = False, reoffload=None) -> dict:
+    """``shard_weights`` options for ``config.offload`` under FSDP: FSDP2's ``CPUOffloadPolicy`` (the shards in
+    host memory, pinned on an accelerator unless ``low_cpu_mem_usage``), the next block's gather prefetched
+    unless ``use_stream=False``, ``reoffload(module)`` called when the sharding is removed. Empty without
+    offload (or for a text encoder with ``offload.text_encoder`` False: sharded on the device)."""
+    off = config.offload
+    if off is None or (text_encoder and not off.text_encoder):
+        return {}
+    device = torch.device(off.onload_device) if off.onload_device is not None else torch.device("cpu")
+    return {"cpu_offload": True, "pin_memory": device.type != "cpu" and not off.low_cpu_mem_usage,
+            "prefetch": off.use_stream is not False, "after_remove": reoffload}
+
+
+def fsdp_offloaded_encoders(target, config: BoostConfig, fsdp_degree: int | None = None) -> list[str]:
+    """The attributes of ``target``'s text encoders that FSDP will shard with ``CPUOffloadPolicy`` (FSDP over
+    ``fsdp_degree`` ranks, default ``config.parallel.fsdp_degree``; ``fsdp_text_encoder``; ``offload.text_encoder``):
+    lite_boost's block offload hooks must leave them alone."""
+    from .shard import block_class_names
+
+    fsdp = config.parallel.fsdp_degree if fsdp_degree is None else fsdp_degree
+    if fsdp <= 1 or config.offload is None or not config.offload.text_encoder or not config.parallel.fsdp_text_encoder:
+        return []
+    return [name for name, encoder in text_encoders(target) if block_class_names(encoder)]
+
+
+def _shard_model(model, state, tp_plan, mesh: ParallelMesh, config: BoostConfig, reoffload=None) -> None:
     from .shard import apply_tensor_parallel, shard_weights
 
     if mesh.tp_degree > 1:
         state.weights.append(apply_tensor_parallel(model, tp_plan, mesh.device_mesh("tp"), mesh.tp))
     if mesh.fsdp_degree > 1:
-        state.weights.append(shard_weights(model, mesh.device_mesh("fsdp"), mesh.fsdp))
+        state.weights.append(shard_weights(model, mesh.device_mesh("fsdp"), mesh.fsdp,
+                                           **fsdp_offload_options(config, reoffload=reoffload)))
 
 
 def parallelize(target, models, plans, pipeline_plan: PipelinePlan | None, config: BoostConfig,
-                mesh: ParallelMesh, *, vae_adapter=None, tp_plans=None):
+                mesh: ParallelMesh, *, vae_adapter=None, tp_plans=None, reoffload=None):
     """Apply sequence / CFG parallelism to already boosted ``models`` of ``target``; returns ``target``.
 
     Args:
@@ -502,6 +528,9 @@ def parallelize(target, models, plans, pipeline_plan: PipelinePlan | None, confi
         vae_adapter: the parallel-VAE adapter of ``target.vae`` (from :func:`check_vae`), or None.
         tp_plans: the models' :class:`~lite_boost.parallel.shard.TensorParallelPlan` (one per model; used with
             ``tp_degree`` > 1).
+        reoffload: with ``config.offload`` and ``fsdp_degree`` > 1 (FSDP2's ``CPUOffloadPolicy``), called with
+            each module FSDP sharded that way once ``unparallelize`` gathered its full weights back (the caller
+            puts its block offloading back on).
 
     The caller validated everything before (no check here may fail half-way between collectives).
     """
@@ -541,7 +570,7 @@ def parallelize(target, models, plans, pipeline_plan: PipelinePlan | None, confi
             state.cfg = cfg
             state.patched += ["forward", "cache_context"]
         model._lite_boost.extras[_MODEL_KEY] = state
-        _shard_model(model, state, tp_plan, mesh)
+        _shard_model(model, state, tp_plan, mesh, config, reoffload)
 
     if vae_adapter is not None:
         _install_vae(target.vae, vae_adapter, config, mesh)
@@ -552,8 +581,9 @@ def parallelize(target, models, plans, pipeline_plan: PipelinePlan | None, confi
 
             for _, encoder in text_encoders(target):
                 if block_class_names(encoder):
-                    pstate.weights.append(shard_weights(encoder, mesh.device_mesh("fsdp"), mesh.fsdp,
-                                                        root_params=True))
+                    pstate.weights.append(shard_weights(encoder, mesh.device_mesh("fsdp"), mesh.fsdp, root_params=True,
+                                                        **fsdp_offload_options(config, text_encoder=True,
+                                                                               reoffload=reoffload)))
         if pipeline_plan.prepare_latents and hasattr(target, pipeline_plan.prepare_latents):
             _broadcast_latents(target, pipeline_plan.prepare_latents, mesh)
             pstate.patched.append(pipeline_plan.prepare_latents)

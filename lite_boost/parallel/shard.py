@@ -221,18 +221,34 @@ class FsdpShards:
     comm: Communicator
     priors: dict = field(default_factory=dict)  # instance attributes replaced (``_repeated_blocks``)
     packed: list = field(default_factory=list)  # quantized weights kept as their inner tensors
+    cpu_offload: bool = False  # sharded with FSDP2's CPUOffloadPolicy: the shards live in host memory
+    device: torch.device | None = None  # where the units compute (the mesh's device)
+    moved: list = field(default_factory=list)  # (tensor, home device): left outside the units, moved to ``device``
+    after_remove: Any = None  # called with the module once the full weights are back (``remove``)
 
     def remove(self) -> None:
-        """All-gather the full weights back and take FSDP off (collective: every rank of the group)."""
+        """All-gather the full weights back and take FSDP off (collective: every rank of the group).
+
+        With ``cpu_offload`` the shards are uploaded to the mesh's device for the gather and the full
+        weights are put back in host memory, where the shards were."""
         from torch.distributed._composable_state import _module_state_mapping
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
 
         module = self.module
         full = {}
+        owners = {}  # id(parameter) -> every name it is registered under (a tied embedding has two)
+        for name, p in module.named_parameters(remove_duplicate=False):
+            owners.setdefault(id(p), []).append(name)
         for name, p in module.named_parameters():
             if isinstance(p, DTensor):
-                full[name] = (self.comm._call("fsdp_all_gather[unshard]", _full_tensor, p), p.requires_grad)
+                home = p.to_local().device
+                gather = p
+                if self.device is not None and home != self.device:  # a host shard: gathered on the device
+                    gather = DTensor.from_local(p.to_local().to(self.device), p.device_mesh, p.placements,
+                                                run_check=False, shape=p.shape, stride=p.stride())
+                tensor = self.comm._call("fsdp_all_gather[unshard]", _full_tensor, gather)
+                full[name] = (tensor.to(home), p.requires_grad, owners[id(p)])
         for m in self.sharded:
             state = m._get_fsdp_state()
             for handle in {id(h): h for h in (state._pre_forward_hook_handle, state._post_forward_hook_handle)}.values():
@@ -247,9 +263,10 @@ class FsdpShards:
             cls = type(m)
             if issubclass(cls, FSDPModule):
                 m.__class__ = next(b for b in cls.__mro__[1:] if not issubclass(b, FSDPModule) and b is not object)
-        for name, (tensor, requires_grad) in full.items():
-            owner = _parent(module, name)
-            owner.register_parameter(name.rsplit(".", 1)[-1], torch.nn.Parameter(tensor, requires_grad=requires_grad))
+        for tensor, requires_grad, names in full.values():
+            param = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+            for name in names:  # the same parameter on every module that shares it
+                _parent(module, name).register_parameter(name.rsplit(".", 1)[-1], param)
         for name, value in self.priors.items():
             if value is None:
                 module.__dict__.pop(name, None)
@@ -257,7 +274,12 @@ class FsdpShards:
                 setattr(module, name, value)
         for packed in self.packed:
             packed.unpack()
-        self.sharded, self.packed = [], []
+        for tensor, home in self.moved:
+            tensor.data = tensor.data.to(home)
+        self.sharded, self.packed, self.moved = [], [], []
+        after, self.after_remove = self.after_remove, None
+        if after is not None:
+            after(module)
 
 
 def _full_tensor(p) -> torch.Tensor:
@@ -368,7 +390,8 @@ def _units(module, names):
 
 
 def shard_weights(module: torch.nn.Module, mesh, comm: Communicator, *, prefetch: bool = True,
-                  root_params: bool = False) -> FsdpShards:
+                  root_params: bool = False, cpu_offload: bool = False, pin_memory: bool = False,
+                  after_remove=None) -> FsdpShards:
     """``fully_shard`` ``module`` over ``mesh`` (a 1-D DeviceMesh of the fsdp group ``comm``; with tensor
     parallelism the "fsdp" dimension of the 2-D ("fsdp", "tp") mesh whose "tp" dimension holds the DTensor
     weights :func:`apply_tensor_parallel` made, which FSDP then shards further) unit by unit.
@@ -380,19 +403,34 @@ def shard_weights(module: torch.nn.Module, mesh, comm: Communicator, *, prefetch
     False keeps them whole and leaves the root with nothing to gather, so an instance wrapper of
     ``forward`` that skips the computation on some ranks (CFG parallelism's deferred pass) issues no
     all-gather there.
-    """
-    from torch.distributed.fsdp import fully_shard
 
+    ``cpu_offload``: shard with FSDP2's own ``CPUOffloadPolicy(pin_memory=pin_memory)``: the shards stay in
+    host memory and each unit's shards are copied to the mesh's device for its all-gather (the prefetched
+    gather of the next block included); the parameters left outside the units (kept whole) are moved to
+    the mesh's device, and put back by :meth:`FsdpShards.remove`. On a CPU mesh host and device are the
+    same memory: the policy's copies move nothing there. ``after_remove(module)``: called by
+    :meth:`FsdpShards.remove` once the full weights are back (e.g. to offload them block by block again).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    policy = CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else OffloadPolicy()
     blocks, others = _units(module, block_class_names(module))
-    shards = FsdpShards(module=module, sharded=[], blocks=[m for _, m in blocks], comm=comm)
+    shards = FsdpShards(module=module, sharded=[], blocks=[m for _, m in blocks], comm=comm, cpu_offload=cpu_offload,
+                        after_remove=after_remove)
     shards.packed = [PackedWeight(m) for m in module.modules() if _subclass_weight(m)]
     for path, unit in blocks + others:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True, offload_policy=policy)
         shards.sharded.append(unit)
     in_units = {id(p) for _, unit in blocks + others for p in unit.parameters()}
     ignored = None if root_params else {p for p in module.parameters() if id(p) not in in_units}
-    fully_shard(module, mesh=mesh, reshard_after_forward=True, ignored_params=ignored or None)
+    fully_shard(module, mesh=mesh, reshard_after_forward=True, ignored_params=ignored or None, offload_policy=policy)
     shards.sharded.append(module)
+    shards.device = module._get_fsdp_state()._device
+    if cpu_offload:  # what FSDP leaves whole computes on the device (fully_shard moved the units' buffers)
+        for t in list(ignored or ()) + list(module.buffers()):
+            if t.device != shards.device:
+                shards.moved.append((t, t.device))
+                t.data = t.data.to(shards.device)
     for path, unit in blocks + others + [("", module)]:
         group = unit._get_fsdp_state()._fsdp_param_group
         if group is not None:

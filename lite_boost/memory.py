@@ -12,7 +12,9 @@ The model (per rank, one transformer call, inference: no autograd state):
   layers / t (attention heads and FFN columns / rows), the rest whole; ``fsdp_degree`` f = everything / f;
   both (FSDP over the ranks with the same tp rank) = (the blocks' Linear layers / t + the rest) / f, i.e. the
   split Linears / (t x f); ``offload`` = what lies outside the blocks plus two blocks (the running one and the
-  one being uploaded).
+  one being uploaded); ``offload`` with ``fsdp_degree`` f (FSDP2's ``CPUOffloadPolicy``) = nothing at rest:
+  the rank's shards, everything / f, wait in host memory (``Estimate.host_weights``, like the blocks plain
+  offload keeps there).
 * **FSDP gather working set** (``gather``, during a call only): the unsharded parameters a rank holds while
   it computes one block and prefetches the next, :func:`fsdp_gather_blocks` x the largest block (with
   ``tp_degree`` t: one tp shard of it, its Linear layers / t). The multiple
@@ -20,10 +22,13 @@ The model (per rank, one transformer call, inference: no autograd state):
   (``benchmarks/bench_memory.py``: each rank grows by 4.0 blocks during a call at fsdp 2 and at fsdp 4 alike:
   the all-gather output, FSDP2's copy-in / copy-out buffers and gloo's own staging, for the running block
   and the prefetched one); on NCCL / HCCL (and by default) 2 x (f - 1) / f blocks, the running and the
-  prefetched block less the rank's own shard: an assumption, not measured.
+  prefetched block less the rank's own shard: an assumption, not measured. With offload
+  (:func:`fsdp_offload_gather_blocks`) the own shard is uploaded too: 2 + 1 / f blocks on NCCL / HCCL (the two
+  blocks whole and the shard upload the prefetched gather reads; assumed), gloo's 4 on the CPU.
 * **text encoder** weights, resident while the transformer runs (they are not freed after encoding):
   whole, / f under FSDP (``fsdp_text_encoder``) plus its own gather working set (the same multiple of its
-  largest block, counted as if it overlapped the transformer's: conservative), two blocks under offload.
+  largest block, counted as if it overlapped the transformer's: conservative), two blocks under offload, only
+  that gather working set under FSDP with offload (its shards in host memory).
 * **activations** at the peak inside one block (tokens per rank S = tokens / (ulysses x ring)), the largest of
   the attention phase (residual + modulated input (2 x S x hidden) + q, k, v, output (4 x S x attention width
   / t) + the fp32 temporaries of the q / k RMS norms (S x width / t in fp32) + Ulysses' all_to_all receive
@@ -38,7 +43,8 @@ The model (per rank, one transformer call, inference: no autograd state):
   sees (part of the activations above, shown on its own).
 
 Layouts are ranked by the bytes each rank moves per transformer call (Ulysses all_to_all, Ring K / V,
-TP all-reduce, FSDP all-gather, host uploads of offloaded blocks weighted x4 for the slower host link);
+TP all-reduce, FSDP all-gather, host uploads of offloaded blocks (under FSDP: of the rank's shards) weighted x4
+for the slower host link);
 the recommendation is the fitting layout that moves least (then the smallest). The device total leaves
 out the VAE (its decode runs after the transformer, with its own parallel modes), the framework's own
 device memory (CUDA / CANN context, allocator slack: ``headroom`` keeps 10% of the device free for them) and
@@ -65,7 +71,7 @@ from .config import ConfigError, parse_bytes
 __all__ = ["ModelDims", "Layout", "Estimate", "MemoryPlan", "estimate", "candidate_layouts", "plan_layouts",
            "token_count", "format_plan", "meta_model", "dims_for_family", "dims_for_model_dir", "DTYPE_BYTES",
            "HOST_LINK_FACTOR", "GiB", "MiB", "DEFAULT_SHAPE", "HOST_TORCH_BYTES", "HOST_LIBRARIES_BYTES",
-           "HOST_RUNTIME_BYTES", "FSDP_GATHER_BLOCKS", "fsdp_gather_blocks"]
+           "HOST_RUNTIME_BYTES", "FSDP_GATHER_BLOCKS", "fsdp_gather_blocks", "fsdp_offload_gather_blocks"]
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
@@ -91,6 +97,21 @@ HOST_RUNTIME_BYTES = HOST_TORCH_BYTES + HOST_LIBRARIES_BYTES
 # measured) gets 2 x (f - 1) / f blocks, see fsdp_gather_blocks.
 FSDP_GATHER_BLOCKS = {"gloo": 4.0}
 _BACKENDS = (None, "gloo", "nccl", "hccl")
+
+
+def fsdp_offload_gather_blocks(fsdp: int, backend: str | None = None) -> float:
+    """How many blocks' worth of device memory a rank holds at the peak of a call under ``fsdp``-way FSDP with
+    ``offload`` (FSDP2's ``CPUOffloadPolicy``: the shards wait in host memory). NCCL / HCCL: 2 + 1 / f, the
+    running block and the prefetched one whole (the rank's own shard uploaded with them) plus the shard upload
+    the prefetched gather reads from, an assumption that no measurement has checked. gloo: the same multiple as
+    without offload (on the CPU host and device are one memory, the policy copies nothing)."""
+    if backend not in _BACKENDS:
+        raise ConfigError(f"backend must be one of {list(_BACKENDS)}, got {backend!r}")
+    if fsdp <= 1:
+        return 0.0
+    if backend in FSDP_GATHER_BLOCKS:
+        return FSDP_GATHER_BLOCKS[backend]
+    return 2 + 1 / fsdp
 
 
 def fsdp_gather_blocks(fsdp: int, backend: str | None = None) -> float:
@@ -213,7 +234,8 @@ def token_count(dims: ModelDims, num_frames: int, height: int, width: int) -> in
 @dataclass(frozen=True)
 class Layout:
     """One way to place the model on ``world`` ranks: cfg x tp x ulysses x ring ranks, FSDP over
-    ``fsdp`` of them (overlapping the other axes), or offload (one copy per rank, blocks uploaded)."""
+    ``fsdp`` of them (overlapping the other axes), and / or offload (without FSDP: one copy per rank in host
+    memory, blocks uploaded; with FSDP: the shards in host memory, FSDP2's ``CPUOffloadPolicy``)."""
 
     cfg: int = 1
     tp: int = 1
@@ -246,8 +268,9 @@ class Layout:
 @dataclass(frozen=True)
 class Estimate:
     """Per-rank bytes of one layout (see the module docstring for the model). ``total``: the device memory of
-    one call's peak (weights at rest + text encoder + FSDP gather working set + activations); ``host``: the
-    runtime's host memory per process (:data:`HOST_RUNTIME_BYTES`), not in ``total``."""
+    one call's peak (weights at rest + text encoder + FSDP gather working set + activations); ``host``: host
+    memory per process, the runtime's (:data:`HOST_RUNTIME_BYTES`) plus ``host_weights``, the weights an offload
+    layout keeps there (the blocks; under FSDP the rank's shards); neither is in ``total``."""
 
     layout: Layout
     weights: int
@@ -258,6 +281,7 @@ class Estimate:
     fits: bool | None = None
     gather: int = 0
     host: int = HOST_RUNTIME_BYTES
+    host_weights: int = 0
 
     @property
     def total(self) -> int:
@@ -272,12 +296,17 @@ def estimate(dims: ModelDims, layout: Layout, tokens: int, *, text_encoder: bool
     b = dims.dtype_bytes
     t, f, L = layout.tp, layout.fsdp, dims.layers
     blocks, other, block = dims.blocks_params, dims.other_params, dims.block_params
-    gathered = fsdp_gather_blocks(f, backend)
+    gathered = fsdp_offload_gather_blocks(f, backend) if layout.offload else fsdp_gather_blocks(f, backend)
     linear = dims.blocks_linear_params
     # one tp shard of the largest block (its Linear layers / t): what an FSDP gather brings back under tp x fsdp
     block_shard = block - (block * linear / blocks if blocks else 0) * (t - 1) / t
-    if layout.offload:
+    host_weights = 0.0
+    if layout.offload and f > 1:  # FSDP2's CPUOffloadPolicy: the shards in host memory, gathered blocks on the device
+        weights = 0.0
+        host_weights = (blocks + other) / f
+    elif layout.offload:
         weights = other + 2 * block
+        host_weights = blocks
     elif t > 1:  # the split Linears / t, the rest whole; with fsdp everything / f on top
         weights = (blocks - linear + linear / t + other) / f
     elif f > 1:
@@ -288,8 +317,12 @@ def estimate(dims: ModelDims, layout: Layout, tokens: int, *, text_encoder: bool
     te = 0.0
     if text_encoder and dims.text_encoder_params:
         te_all, te_block = dims.text_encoder_params, dims.text_encoder_block_params
-        if layout.offload:
+        if layout.offload and f > 1:
+            te = gathered * te_block
+            host_weights += te_all / f
+        elif layout.offload:
             te = te_all - dims.text_encoder_blocks_params + 2 * te_block
+            host_weights += dims.text_encoder_blocks_params
         elif f > 1:
             te = te_all / f + gathered * te_block
         else:
@@ -322,10 +355,11 @@ def estimate(dims: ModelDims, layout: Layout, tokens: int, *, text_encoder: bool
         traffic += L * 2 * 2 * s * dims.hidden * (t - 1) / t
     if f > 1:
         traffic += (blocks - linear + linear / t + other) * (f - 1) / f
-    if layout.offload:
-        traffic += blocks * HOST_LINK_FACTOR
+    if layout.offload:  # the blocks uploaded (under FSDP: each rank uploads its shards of everything)
+        traffic += ((blocks + other) / f if f > 1 else blocks) * HOST_LINK_FACTOR
     return Estimate(layout, int(weights * b), int(te * b), int(activations * b), int(attention * b), int(traffic * b),
-                    gather=int(gather * b))
+                    gather=int(gather * b), host=HOST_RUNTIME_BYTES + int(host_weights * b),
+                    host_weights=int(host_weights * b))
 
 
 def _divisors(n: int) -> list[int]:
@@ -337,7 +371,7 @@ def candidate_layouts(dims: ModelDims, world: int, *, cfg: bool = True, tp: bool
     """Every layout of ``world`` ranks the switches allow: cfg in (1, 2), tp dividing the heads and the FFN
     width, the sequence ranks on Ulysses up to the heads each TP rank holds and the rest on Ring, FSDP
     over any divisor of world / tp (with tp: over the ranks with the same tp rank, sharding the tp shards),
-    offload with neither tp nor fsdp."""
+    offload without tp (alone, or with FSDP: CPUOffloadPolicy)."""
     out = []
     for c in ((1, 2) if cfg else (1,)):
         if world % c:
@@ -352,8 +386,8 @@ def candidate_layouts(dims: ModelDims, world: int, *, cfg: bool = True, tp: bool
                 continue
             for fd in (_divisors(world // t) if fsdp else [1]):
                 out.append(Layout(c, t, u, r, fd))
-                if offload and fd == 1 and t == 1:
-                    out.append(Layout(c, t, u, r, 1, True))
+                if offload and t == 1:
+                    out.append(Layout(c, t, u, r, fd, True))
     return out
 
 
@@ -412,8 +446,9 @@ def _gib(n: float) -> str:
 
 def _gather_note(backend: str | None) -> str:
     if backend in FSDP_GATHER_BLOCKS:
-        return f"{FSDP_GATHER_BLOCKS[backend]:g} whole blocks on {backend}, measured"
-    return f"2 x (f - 1) / f blocks on {backend or 'NCCL / HCCL'}, assumed, not measured"
+        return f"{FSDP_GATHER_BLOCKS[backend]:g} whole blocks on {backend}, measured without offload"
+    return (f"2 x (f - 1) / f blocks on {backend or 'NCCL / HCCL'}, 2 + 1 / f with offload, assumed, not "
+            "measured")
 
 
 def format_plan(plan: MemoryPlan) -> str:
@@ -429,21 +464,23 @@ def format_plan(plan: MemoryPlan) -> str:
     lines.append(f"{plan.world} rank(s), {shape}{plan.tokens} tokens; {budget}")
     lines.append("")
     head = (f"{'layout':<34} {'weights':>8} {'text enc':>8} {'gather':>8} {'activ.':>8} {'attn ws':>8} {'total':>8} "
-            f"{'fits':>5} {'moved/call':>10}")
+            f"{'fits':>5} {'moved/call':>10} {'host w.':>8}")
     lines += [head, "-" * len(head)]
     for e in plan.rows:
         fits = "-" if e.fits is None else ("yes" if e.fits else "no")
         mark = "  <- recommended" if e is plan.recommended else ""
         lines.append(f"{e.layout.label():<34} {_gib(e.weights):>8} {_gib(e.text_encoder):>8} {_gib(e.gather):>8} "
                      f"{_gib(e.activations):>8} {_gib(e.attention):>8} {_gib(e.total):>8} {fits:>5} "
-                     f"{_gib(e.traffic):>10}{mark}")
+                     f"{_gib(e.traffic):>10} {_gib(e.host_weights):>8}{mark}")
     lines.append("")
     lines.append("GiB of device memory per rank. weights: the transformer's, at rest; text enc: the text encoder's, "
                  "resident during denoising; gather: FSDP's unsharded blocks during a call "
                  f"({_gather_note(plan.backend)}); activ.: peak inside one block of one transformer call; attn ws: "
                  "q, k, v and output of the attention (part of activ.); moved/call: bytes each rank sends or uploads "
-                 f"per transformer call (host uploads x{HOST_LINK_FACTOR}). Not included: the VAE, the framework's "
-                 "device context and allocator slack (the headroom), and the host memory of each process's runtime "
+                 f"per transformer call (host uploads x{HOST_LINK_FACTOR}); host w.: weights an offload layout keeps in "
+                 "host memory, not in the device total (under FSDP the rank's shards). Not included: the VAE, the "
+                 "framework's device context and allocator slack (the headroom), and the host memory of each "
+                 "process's runtime "
                  f"(Python, torch, diffusers, lite_boost: about {_gib(HOST_RUNTIME_BYTES)} GiB, measured on an "
                  "x86-64 CPU build; it differs by platform).")
     if plan.recommended is not None:

@@ -7,6 +7,7 @@ measured in a fresh process from the kernel's resident-set high-water mark.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,9 +18,9 @@ import pytest
 import torch
 
 from lite_boost.config import ConfigError, ParallelConfig, parse_bytes
-from lite_boost.memory import (FSDP_GATHER_BLOCKS, HOST_LIBRARIES_BYTES, HOST_RUNTIME_BYTES, GiB, Layout, ModelDims,
-                               candidate_layouts, dims_for_family, dims_for_model_dir, estimate, fsdp_gather_blocks,
-                               meta_model, plan_layouts, token_count)
+from lite_boost.memory import (FSDP_GATHER_BLOCKS, HOST_LIBRARIES_BYTES, HOST_LINK_FACTOR, HOST_RUNTIME_BYTES, GiB, Layout,
+                               ModelDims, candidate_layouts, dims_for_family, dims_for_model_dir, estimate,
+                               fsdp_gather_blocks, fsdp_offload_gather_blocks, meta_model, plan_layouts, token_count)
 
 HERE = Path(__file__).resolve().parent
 
@@ -88,6 +89,18 @@ def test_estimates_follow_the_real_module():
     assert abs(fsdp_moved - (total - linear // 2) / 2) <= 8, (fsdp_moved, total, linear)
     assert gloo.total == gloo.weights + gloo.text_encoder + gloo.gather + gloo.activations
     assert gloo.host == HOST_RUNTIME_BYTES  # the runtime's host memory: reported beside the device total, not in it
+    blocks = sum(p.numel() * 4 for p in model.blocks.parameters())
+    off = estimate(dims, Layout(offload=True), tokens)
+    assert off.host_weights == blocks and off.host == HOST_RUNTIME_BYTES + blocks  # the blocks wait on the host
+    # offload x fsdp 4 (FSDP2's CPUOffloadPolicy): nothing at rest on the device, the shards on the host; during a
+    # call the running and the prefetched block whole plus one shard upload (NCCL / HCCL, assumed); gloo: 4 blocks
+    fo = estimate(dims, Layout(ulysses=4, fsdp=4, offload=True), tokens)
+    assert fo.weights == 0 and fo.host_weights == total // 4 and fo.host == HOST_RUNTIME_BYTES + total // 4
+    assert fo.gather == int((2 + 1 / 4) * block) and fo.total == fo.text_encoder + fo.gather + fo.activations
+    assert fo.activations == fsdp4.activations and fo.total < fsdp4.total and fsdp4.host_weights == 0
+    # it moves fsdp's all-gather plus the rank's shards up from the host
+    assert abs(fo.traffic - fsdp4.traffic - HOST_LINK_FACTOR * total / 4) <= 2, (fo.traffic, fsdp4.traffic)
+    assert estimate(dims, Layout(ulysses=4, fsdp=4, offload=True), tokens, backend="gloo").gather == 4 * block
     # sequence ranks divide the activations; cfg on separate-call pipelines does not
     a1 = estimate(dims, Layout(), 4000).activations
     a4 = estimate(dims, Layout(ulysses=4), 4000).activations
@@ -98,6 +111,8 @@ def test_fsdp_gather_multiple_per_backend():
     assert fsdp_gather_blocks(1, "gloo") == 0 and fsdp_gather_blocks(1) == 0  # no FSDP, nothing gathered
     assert fsdp_gather_blocks(2, "gloo") == fsdp_gather_blocks(4, "gloo") == FSDP_GATHER_BLOCKS["gloo"] == 4
     assert fsdp_gather_blocks(2) == 1 and fsdp_gather_blocks(4, "nccl") == fsdp_gather_blocks(4, "hccl") == 1.5
+    assert fsdp_offload_gather_blocks(1) == 0 and fsdp_offload_gather_blocks(2) == 2.5
+    assert fsdp_offload_gather_blocks(4, "hccl") == 2.25 and fsdp_offload_gather_blocks(4, "gloo") == 4
     with pytest.raises(ConfigError, match=r"backend must be one of \[None, 'gloo', 'nccl', 'hccl'\], got 'mpi'"):
         plan_layouts(ModelDims("x", 2, 2, 8, 16, 16, 32, 10, 20, 15, 5), 2, 10, None, backend="mpi")
 
@@ -133,7 +148,11 @@ def test_candidate_layouts_cover_the_world_and_respect_the_heads():
     # fsdp x tp: FSDP over the ranks with the same tp rank, so fsdp divides world / tp
     assert {(lay.tp, lay.fsdp) for lay in layouts if lay.tp > 1 and lay.fsdp > 1} == {(2, 2), (2, 4), (4, 2)}
     assert all((8 // lay.tp) % lay.fsdp == 0 for lay in layouts)
-    assert not any(lay.offload and (lay.fsdp > 1 or lay.tp > 1) for lay in layouts)
+    assert not any(lay.offload and lay.tp > 1 for lay in layouts)
+    # every layout without tp has its offload twin, FSDP ones included (FSDP2's CPUOffloadPolicy)
+    plain = {lay for lay in layouts if lay.tp == 1 and not lay.offload}
+    assert {dataclasses.replace(lay, offload=False) for lay in layouts if lay.offload} == plain
+    assert any(lay.offload and lay.fsdp == 8 for lay in layouts)
     three = ModelDims("x", 2, 3, 8, 24, 24, 64, 100, 200, 150, 50)
     assert {lay.tp for lay in candidate_layouts(three, 4)} == {1}  # 3 heads: no tp
     # Ulysses up to the heads (uneven heads are padded), the rest of the sequence ranks on Ring
@@ -210,6 +229,26 @@ def test_parallel_manager_applies_the_auto_layout(single_process_env, tiny_kwarg
         lite_boost.ParallelManager(pipe(), {"parallel": {**auto, "device_memory": 1000}})
     with pytest.raises(ConfigError, match=r"needs parallel.device_memory"):
         lite_boost.ParallelManager(pipe(), {"parallel": {"layout": "auto"}})
+
+
+def test_auto_layout_offers_offload_with_fsdp():
+    """On 2 ranks with room only for an FSDP x offload layout, layout='auto' writes fsdp_degree and offload (the
+    2-rank run of that config: tests/test_weight_sharding.py). Planned for NCCL's gather multiple: with gloo's 4
+    blocks the tiny model's plain offload layout would be the smaller one."""
+    from lite_boost.api import auto_layout, memory_plan
+    from lite_boost.demo import TinyWanSpec, tiny_wan_pipeline
+
+    pipe = tiny_wan_pipeline("t2v", spec=TinyWanSpec(heads=4, layers=3))
+    auto = {"layout": "auto", "layout_shape": (5, 32, 48), "backend": "nccl"}
+    rows = memory_plan(pipe, {"parallel": {**auto, "device_memory": 10 * GiB}}, 2).rows
+    labels = [e.layout.label() for e in rows]
+    assert "ulysses2 x fsdp2 x offload" in labels and "cfg2 x fsdp2 x offload" in labels
+    both = [e for e in rows if e.layout.offload and e.layout.fsdp > 1]
+    assert all(e.weights == 0 and e.host_weights > 0 for e in both)
+    between = int(max(e.total for e in both) / 0.9) + 2  # fits them, nothing else
+    assert all(e.total > between * 0.9 for e in rows if not (e.layout.offload and e.layout.fsdp > 1))
+    config = auto_layout(pipe, {"parallel": {**auto, "device_memory": between}}, 2)
+    assert config.parallel.fsdp_degree == 2 and config.offload is not None and config.parallel.layout == "manual"
 
 
 @pytest.mark.slow

@@ -88,6 +88,30 @@ def test_unusable_onload_device_is_refused_before_anything_changes():
     assert before == {n: p.data_ptr() for n, p in pipe.transformer.named_parameters()}
 
 
+@pytest.mark.parametrize("offload, parallel, match", [
+    (True, {"tp_degree": 2}, r"offload \(BoostConfig.offload\) with parallel.tp_degree=2: not built .*DTensor.*Valid: "
+                             r"tp_degree=1 with offload, offload with fsdp_degree > 1 \(FSDP2's CPUOffloadPolicy\), "
+                             r"or tp_degree without offload"),
+    ({"disk_path": "/tmp/x"}, {"fsdp_degree": 2}, r"offload.disk_path with parallel.fsdp_degree=2: FSDP2's "
+                                                  r"CPUOffloadPolicy keeps the shards in host memory.*\[None\]"),
+    ({"num_blocks_per_group": 2}, {"fsdp_degree": 2}, r"offload.num_blocks_per_group=2 with parallel.fsdp_degree=2: "
+                                                      r"FSDP gathers one block per unit; .*: \[1\]"),
+])
+def test_offload_with_weight_sharding_refused_where_not_built(offload, parallel, match, monkeypatch):
+    """offload x fsdp runs on FSDP2's CPUOffloadPolicy (tests/test_weight_sharding.py); what it cannot take, and
+    offload x tp, are refused before any collective and before anything changes."""
+    import torch.distributed as dist
+
+    for k, v in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    pipe = tiny_wan_pipeline("t2v", spec=TinyWanSpec(heads=4, layers=2))
+    with pytest.raises(ConfigError, match=match):
+        lite_boost.ParallelManager(pipe, {"offload": offload, "parallel": parallel})
+    assert not dist.is_initialized() and not lite_boost.api.is_boosted(pipe)
+    assert offload_record(pipe.transformer) is None
+
+
 def test_layer_stacks_find_the_block_lists():
     pipe = _pipe()
     assert layer_stacks(pipe.transformer) == [""]  # blocks is a direct child: the transformer itself

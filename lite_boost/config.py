@@ -603,6 +603,11 @@ class OffloadConfig(_ConfigMixin):
         cannot hold the model; slower). None = host memory.
     text_encoder: offload the pipeline's text / image encoders the same way (their layer stacks);
         False leaves them where they are. The pipeline's other modules (the VAE) go to the onload device.
+
+    Under ``ParallelManager`` with ``parallel.fsdp_degree > 1`` the FSDP-sharded modules are offloaded by
+    FSDP2's ``CPUOffloadPolicy`` instead (the shards in host memory, pinned unless ``low_cpu_mem_usage``, the
+    next block's gather prefetched unless ``use_stream=False``); ``disk_path`` and ``num_blocks_per_group`` > 1
+    are refused there. With ``parallel.tp_degree > 1`` offload is refused.
     """
 
     onload_device: str | None = None

@@ -19,7 +19,13 @@ What lite_boost adds around it:
 * :func:`check_offload_support` refuses, before anything is modified, an onload device that is not
   there, a side stream on the CPU, and a target that is already offloaded by diffusers / accelerate
   (``enable_model_cpu_offload``, ``enable_sequential_cpu_offload``, ``enable_group_offload``: they
-  keep working on a boosted pipeline without ``BoostConfig.offload``, in either order).
+  keep working on a boosted pipeline without ``BoostConfig.offload``, in either order), and
+  ``tp_degree > 1`` (not built).
+
+Under ``ParallelManager`` with ``fsdp_degree > 1`` these hooks are not used on what FSDP shards: FSDP2's own
+``CPUOffloadPolicy`` keeps the shards in host memory (:func:`lite_boost.parallel.shard.shard_weights`,
+:func:`fsdp_cpu_offload_units` counts its units); ``disk_path``, ``num_blocks_per_group`` > 1 and an
+onload device other than the rank's are refused there.
 
 On the CPU (onload device = offload device = cpu) the hooks run and count their uploads but move
 nothing; ``disk_path`` makes the weights really leave memory between uses there too.

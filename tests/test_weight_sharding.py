@@ -23,9 +23,11 @@ from lite_boost.parallel.groups import _mesh_ranks
 
 TOL = 1e-5
 CASES_2 = ["wan_i2v_fsdp2_ulysses2", "wan_i2v_tp2", "wan_fsdp2_quant", "wan22_cfg2_fsdp2_fbc_sparse", "qwen_tp2", "qwen_cfg2_fsdp2",
-           "flux_tp2", "wan_i2v_fsdp2_offload", "wan_fsdp2_offload_pipeline"]
+           "flux_tp2"]
+CASES_OFFLOAD = ["wan_i2v_fsdp2_offload", "wan_fsdp2_offload_pipeline"]
 CASES_4 = ["wan_i2v_tp2_ulysses2", "wan_cfg2_ulysses2_fsdp2"]
-SPAWNS = {2: (2, CASES_2), 4: (4, CASES_4), "tp_fsdp": (4, ["wan_i2v_tp2_fsdp2", "wan_cfg2_tp2_fsdp2"])}  # one spawn each
+SPAWNS = {2: (2, CASES_2), 4: (4, CASES_4), "tp_fsdp": (4, ["wan_i2v_tp2_fsdp2", "wan_cfg2_tp2_fsdp2"]),
+          "offload": (2, CASES_OFFLOAD)}  # one spawn each
 _RESULTS = {}
 
 
@@ -97,7 +99,7 @@ def test_fsdp_with_offload_uses_fsdp2_cpu_offload_policy():
     """offload x fsdp 2 (x Ulysses 2): FSDP2's CPUOffloadPolicy manages the weights, lite_boost's block hooks none.
     On gloo the mesh device is the host, so the policy's host-to-device copies move nothing: what is checked is
     that every gather went through the policy's copy branch, the exact output, and the way back."""
-    results = _each(2, "wan_i2v_fsdp2_offload")
+    results = _each("offload", "wan_i2v_fsdp2_offload")
     for r in results:
         assert r["ref_abs"] > 0.1 and max(r["diffs"]) <= TOL, r
         assert not r["record"] and r["block_hooks"] == 0, r  # no block offload hooks on the sharded transformer
@@ -117,7 +119,7 @@ def test_fsdp_with_offload_uses_fsdp2_cpu_offload_policy():
 
 
 def test_fsdp_with_offload_pipeline_transformer_and_text_encoder():
-    results = _each(2, "wan_fsdp2_offload_pipeline")
+    results = _each("offload", "wan_fsdp2_offload_pipeline")
     for r in results:
         assert r["ref_abs"] > 0.1 and r["diff"] <= TOL and r["unboosted_diff"] <= TOL, r
         assert r["records"] == [False, False] and all(n > 0 for n in r["units"].values()), r

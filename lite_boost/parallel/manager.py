@@ -22,7 +22,7 @@ calls :func:`parallelize` here with the family's plans. Nothing here knows any m
 5. the pipeline's VAE decode / encode is spread over the ranks where a parallel-VAE adapter exists;
 6. with ``tp_degree`` > 1 each transformer's planned Linear layers are split over the tp group, with
    ``fsdp_degree`` > 1 its blocks (and the text encoders) are sharded with FSDP2 over the fsdp group
-   (:mod:`lite_boost.parallel.shard`).
+   (:mod:`lite_boost.parallel.shard`), with ``config.offload`` under FSDP2's ``CPUOffloadPolicy``.
 """
 
 from __future__ import annotations

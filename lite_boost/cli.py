@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "and int8_weight_only on CPU/CUDA, fp8 on CUDA sm89+ (bf16), w8a8_npu on Ascend")
     gen.add_argument("--offload", action="store_true",
                      help="keep the transformer and text-encoder weights in host memory and upload each block to "
-                          "the device as it runs (the next one on a side stream on CUDA / NPU); the stock run is "
+                          "the device as it runs (the next one on a side stream on CUDA / NPU); with --fsdp-degree, "
+                          "FSDP2's CPUOffloadPolicy keeps each rank's shards there instead; the stock run is "
                           "skipped on an accelerator (it would need the whole model there)")
     gen.add_argument("--config", default=None, help="YAML BoostConfig (overrides the flags above)")
     gen.add_argument("--nproc", type=int, default=1, help="processes to launch with torchrun (one per device)")

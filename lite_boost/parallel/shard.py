@@ -481,6 +481,7 @@ class TensorParallelShards:
     layers: list = field(default_factory=list)  # (module, new pre-hook ids, new hook ids)
     heads: list = field(default_factory=list)  # (module, {attr: original})
     norms: list = field(default_factory=list)  # norm modules with an instance forward
+    packed: dict = field(default_factory=dict)  # id(module) -> {param name: (dim, block sizes)} (packed layers)
 
     def remove(self) -> None:
         """All-gather the full weights back, drop the hooks, restore head counts (collective over the tp group)."""
@@ -490,6 +491,9 @@ class TensorParallelShards:
             for name, p in list(module.named_parameters(recurse=False)):
                 if isinstance(p, DTensor):
                     full = self.comm._call("tp_all_gather[unshard]", p.full_tensor)
+                    layout = self.packed.get(id(module), {}).get(name)
+                    if layout is not None:
+                        full = _unpacked(full, *layout, self.comm.size)
                     module.register_parameter(name, torch.nn.Parameter(full, requires_grad=p.requires_grad))
             for key in pre:
                 module._forward_pre_hooks.pop(key, None)
@@ -500,7 +504,43 @@ class TensorParallelShards:
                 setattr(module, attr, value)
         for norm in self.norms:
             norm.__dict__.pop("forward", None)
-        self.layers, self.heads, self.norms = [], [], []
+        self.layers, self.heads, self.norms, self.packed = [], [], [], {}
+
+
+def _packed_layout(style, module) -> dict:
+    """{param name: (dim, block sizes)} of a packed layer (diffusers' ``PackedColwiseParallel`` /
+    ``PackedRowwiseParallel``, or a style that stores ``_tp_packed_col_blocks`` / ``_tp_packed_row_blocks`` on
+    the layer): each block of the fused dimension is split over the ranks on its own. {} for a plain layer."""
+    if isinstance(style, str):
+        return {}
+    try:
+        from diffusers.hooks.tensor_parallel import PackedColwiseParallel, PackedRowwiseParallel
+    except ImportError:  # pragma: no cover - older diffusers
+        PackedColwiseParallel = PackedRowwiseParallel = ()
+    col, row = getattr(module, "_tp_packed_col_blocks", None), getattr(module, "_tp_packed_row_blocks", None)
+    if isinstance(style, PackedColwiseParallel):
+        col, row = style.blocks or col, None
+    elif isinstance(style, PackedRowwiseParallel):
+        col, row = None, style.blocks or row
+    out = {}
+    for name, p in module.named_parameters(recurse=False):
+        if col and p.ndim >= 1:
+            out[name] = (0, _block_sizes(p.shape[0], col))
+        elif row and name == "weight":
+            out[name] = (1, _block_sizes(p.shape[1], row))
+    return out
+
+
+def _block_sizes(total: int, blocks) -> list[int]:
+    unit = total // sum(blocks)
+    return [b * unit for b in blocks]
+
+
+def _unpacked(full: torch.Tensor, dim: int, sizes, tp: int) -> torch.Tensor:
+    """A packed layer's gathered parameter (rank 0's part of every block, then rank 1's, ...) in the layer's
+    own order (block 0 whole, then block 1, ...)."""
+    ranks = [part.split([s // tp for s in sizes], dim) for part in full.chunk(tp, dim)]
+    return torch.cat([ranks[r][b] for b in range(len(sizes)) for r in range(tp)], dim)
 
 
 def _style(style):
@@ -537,6 +577,9 @@ def apply_tensor_parallel(model, plan: TensorParallelPlan, mesh, comm: Communica
     for path, name, module in _match(model, list(plan.layers)):
         pre, post = set(module._forward_pre_hooks), set(module._forward_hooks)
         parallelize_module(module, mesh, _style(plan.layers[path]))
+        layout = _packed_layout(plan.layers[path], module)
+        if layout:
+            shards.packed[id(module)] = layout
         module.register_forward_hook(functools.partial(_named_wait, comm, f"tp_all_reduce[{name}]"))
         shards.layers.append((module, set(module._forward_pre_hooks) - pre, set(module._forward_hooks) - post))
         if plan.layers[path] != "rowwise":

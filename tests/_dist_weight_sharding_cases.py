@@ -449,6 +449,65 @@ def wan_pipeline_fsdp_offload(mesh, *, heads=3):
     return out
 
 
+def _video_family(name, heads=4):
+    """(build, inputs (a list of call kwargs), attention paths whose heads tp splits) of a tiny video transformer
+    whose family record carries the tensor-parallel plan: 4 heads, so tp 2 leaves 2 per rank."""
+    if name == "hunyuan":  # 1 dual + 2 single blocks; the text padded (9 of 12 tokens real)
+        import _tiny_hunyuan as hy
+
+        spec = hy.HySpec(heads=heads, single_layers=2)
+        return (lambda: hy.hunyuan_transformer(spec), [hy.transformer_inputs(spec, valid=[9])],
+                ("transformer_blocks.0.attn", "single_transformer_blocks.1.attn"))
+    if name == "hunyuan15":  # dual blocks only
+        import _tiny_hunyuan as hy
+
+        spec = hy.Hy15Spec(heads=heads)
+        return (lambda: hy.hunyuan15_transformer(spec), [hy.transformer_inputs_15(spec, valid=[(5, 3)])],
+                ("transformer_blocks.1.attn",))
+    if name == "ltx":  # padded text (bias mask), RoPE over the whole inner dim: grid tables and per-token coords
+        from _tiny_ltx import TinyLTXSpec, tiny_ltx_transformer, transformer_inputs
+
+        spec = TinyLTXSpec(heads=heads)
+        return (lambda: tiny_ltx_transformer(spec),
+                [transformer_inputs(spec), transformer_inputs(spec, coords=True, per_token=True)],
+                ("transformer_blocks.0.attn1", "transformer_blocks.1.attn2"))
+    if name == "cogvideox":  # 5B layout (RoPE), batched [uncond, cond]
+        from _tiny_cogvideox import TinyCogSpec, tiny_transformer, transformer_inputs
+
+        spec = TinyCogSpec(heads=heads)
+        return (lambda: tiny_transformer(spec), [transformer_inputs(spec)], ("transformer_blocks.1.attn1",))
+    raise KeyError(name)
+
+
+def video_transformer_tp(mesh, family):
+    """A video family's tiny transformer under tp 2 with its family record's plan: parity against the boosted
+    one-process run (every input set), local head counts, sharded / local bytes, and unboost (unparallelizes
+    first: full weights in their own order, global head counts) giving the one-process output again."""
+    import lite_boost
+    from lite_boost.parallel import ParallelManager
+    from lite_boost.parallel.shard import local_parameter_bytes
+
+    build, inputs, attns = _video_family(family)
+    ref_model = lite_boost.boost(build())
+    model = build()
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ParallelManager(model, {"parallel": {"tp_degree": 2, "timeout_s": TIMEOUT_S}}, mesh=mesh)
+    out = {"heads": [model.get_submodule(a).heads for a in attns], "full_bytes": _bytes(ref_model),
+           "local_bytes": local_parameter_bytes(model)}
+    out["dtensor_local"], out["dtensor_total"] = _dtensor_bytes(model)
+    with torch.no_grad():
+        refs = [ref_model(**kw).sample for kw in inputs]
+        out["diffs"] = [_diff(model(**kw).sample, r) for kw, r in zip(inputs, refs)]
+    lite_boost.unboost(model)
+    out["heads_after"] = [model.get_submodule(a).heads for a in attns]
+    out["weights_back"] = all(type(p) is torch.nn.Parameter and torch.equal(p, full[n])
+                              for n, p in model.named_parameters())
+    with torch.no_grad():
+        out["unsharded_diff"] = _diff(model(**inputs[0]).sample, refs[0])
+    out["ref_abs"] = min(r.abs().max().item() for r in refs)
+    return out
+
+
 CASES = {
     "wan_i2v_fsdp2_offload": ({"fsdp_degree": 2}, lambda mesh: wan_transformer_fsdp_offload(mesh)),
     "wan_fsdp2_offload_pipeline": ({"fsdp_degree": 2}, lambda mesh: wan_pipeline_fsdp_offload(mesh)),
@@ -465,6 +524,9 @@ CASES = {
     "flux_tp2": ({"tp_degree": 2}, lambda mesh: flux_transformer_tp(mesh)),
     "qwen_cfg2_fsdp2": ({"cfg_degree": 2, "fsdp_degree": 2},
                         lambda mesh: qwen_pipeline(mesh, {"cfg_degree": 2, "fsdp_degree": 2})),
+    # video families whose record carries the plan (a world-2 spawn of their own: test_tensor_parallel_video_families)
+    **{f"{f}_tp2": ({"tp_degree": 2}, lambda mesh, f=f: video_transformer_tp(mesh, f))
+       for f in ("hunyuan", "hunyuan15", "ltx", "cogvideox")},
     # world 4
     "wan_i2v_tp2_ulysses2": ({"tp_degree": 2}, lambda mesh: wan_transformer_tp(mesh)),
     "wan_i2v_tp2_fsdp2": ({"tp_degree": 2, "fsdp_degree": 2}, lambda mesh: wan_transformer_tp_fsdp(mesh)),

@@ -26,8 +26,9 @@ CASES_2 = ["wan_i2v_fsdp2_ulysses2", "wan_i2v_tp2", "wan_fsdp2_quant", "wan22_cf
            "flux_tp2"]
 CASES_OFFLOAD = ["wan_i2v_fsdp2_offload", "wan_fsdp2_offload_pipeline"]
 CASES_4 = ["wan_i2v_tp2_ulysses2", "wan_cfg2_ulysses2_fsdp2"]
+VIDEO_TP = ["hunyuan_tp2", "hunyuan15_tp2", "ltx_tp2", "cogvideox_tp2"]  # video families' own plans
 SPAWNS = {2: (2, CASES_2), 4: (4, CASES_4), "tp_fsdp": (4, ["wan_i2v_tp2_fsdp2", "wan_cfg2_tp2_fsdp2"]),
-          "offload": (2, CASES_OFFLOAD)}  # one spawn each
+          "offload": (2, CASES_OFFLOAD), "video_tp": (2, VIDEO_TP)}  # one spawn each
 _RESULTS = {}
 
 
@@ -143,6 +144,17 @@ def test_joint_attention_families(name):
         assert r["ref_abs"] > 0.1 and r["diff"] <= TOL, r
         assert r["heads"] == (2 if "tp2" in name else 4), r
     _halves([r["dtensor"] for r in results])
+
+
+@pytest.mark.parametrize("name", VIDEO_TP)
+def test_tensor_parallel_video_families(name):
+    results = _each("video_tp", name)
+    for r in results:
+        assert r["ref_abs"] > 0.1 and max(r["diffs"]) <= TOL and r["unsharded_diff"] <= TOL, r
+        assert set(r["heads"]) == {2} and set(r["heads_after"]) == {4} and r["weights_back"], r
+        # the rank holds its half of the split layers, everything else whole
+        assert r["local_bytes"] == r["full_bytes"] - r["dtensor_total"] + r["dtensor_local"] < r["full_bytes"], r
+    _halves([(r["dtensor_local"], r["dtensor_total"]) for r in results])
 
 
 def test_world_4_tp2_ulysses2_and_cfg2_ulysses2_fsdp2():
@@ -272,6 +284,24 @@ def test_bad_degrees_for_the_model_fail_before_any_collective(parallel, world, m
     assert not dist.is_initialized()
     assert getattr(pipe.transformer, "_lite_boost", None) is None  # nothing modified
     assert all((p == before[n]).all() for n, p in pipe.transformer.named_parameters())
+
+
+@pytest.mark.parametrize("family, first", [("hunyuan", "transformer_blocks.0.attn"),
+                                           ("hunyuan15", "transformer_blocks.0.attn"),
+                                           ("ltx", "transformer_blocks.0.attn1"),
+                                           ("cogvideox", "transformer_blocks.0.attn1")])
+def test_video_family_heads_not_divisible_refused(family, first, monkeypatch):
+    from lite_boost.parallel import ParallelManager
+
+    _env(2, monkeypatch)
+    model = cases._video_family(family, heads=3)[0]()
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(ConfigError, match=rf"tp_degree=2 does not divide the 3 attention heads of {first} of "
+                                          r"\w+ \(and \d+ more\); valid tp_degree for this model and world size: \[1\]"):
+        ParallelManager(model, {"parallel": {"tp_degree": 2}})
+    assert not dist.is_initialized()
+    assert getattr(model, "_lite_boost", None) is None  # nothing modified
+    assert all((p == before[n]).all() for n, p in model.named_parameters())
 
 
 def test_ffn_width_and_quant_refused(monkeypatch):

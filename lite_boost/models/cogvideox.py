@@ -18,6 +18,9 @@ What varies for this family, as data (:data:`COGVIDEOX`) plus one processor shim
   under cfg degree 2 each cfg rank runs one half of the batch.
 * token grid for sparse windows: (frames / patch_size_t, height / patch, width / patch) of the
   (B, F, C, H, W) input.
+* tensor parallelism (:data:`COGVIDEOX_TP_PLAN`): the heads of the joint attention (the shared ``to_q/k/v``
+  column-wise, ``to_out`` row-wise; text and video go through the same split layers) and the feed-forward's
+  columns / rows. The q / k LayerNorms are per head (over ``head_dim``): nothing to all-reduce.
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ from ..adapter.shims import SEA_CACHE_WHY_NOT, norm_qk, video_token_grid
 from ..cache import CacheAdapter
 from ..ops.joint import JointTokens
 from ..parallel.plan import CfgPlan, GatherOutput, PipelinePlan, ShardingPlan, SplitInput
+from ..parallel.shard import TensorParallelPlan
 from ..registry import register_family
 
 __all__ = ["COGVIDEOX", "CogVideoXJointProcessor", "COGVIDEOX_SHARDING_PLAN", "COGVIDEOX_PIPELINE_PLAN",
-           "COGVIDEOX_CACHE_ADAPTER", "boost_cogvideox_transformer", "boost_cogvideox_pipeline"]
+           "COGVIDEOX_CACHE_ADAPTER", "COGVIDEOX_TP_PLAN", "boost_cogvideox_transformer", "boost_cogvideox_pipeline"]
 
 
 class CogVideoXJointProcessor(LiteBoostProcessor):
@@ -96,6 +100,13 @@ COGVIDEOX_CACHE_ADAPTER = CacheAdapter(
     probe_module="patch_embed",
 )
 
+COGVIDEOX_TP_PLAN = TensorParallelPlan(layers={
+    **{f"transformer_blocks.*.attn1.{p}": "colwise" for p in ("to_q", "to_k", "to_v")},
+    "transformer_blocks.*.attn1.to_out.0": "rowwise",
+    "transformer_blocks.*.ff.net.0.proj": "colwise",
+    "transformer_blocks.*.ff.net.2": "rowwise",
+})
+
 COGVIDEOX = register_family(ModelFamily(
     name="cogvideox",
     output="video",
@@ -108,6 +119,7 @@ COGVIDEOX = register_family(ModelFamily(
     timestep_module="time_proj",
     sharding=COGVIDEOX_SHARDING_PLAN,
     pipeline=COGVIDEOX_PIPELINE_PLAN,
+    tensor_parallel=COGVIDEOX_TP_PLAN,
     cache=COGVIDEOX_CACHE_ADAPTER,
     quant_patterns=("transformer_blocks.*",),
     unsupported={"parallel_vae": "AutoencoderKLCogVideoX has no parallel-VAE adapter yet; each rank decodes the "

@@ -30,6 +30,11 @@ processor shims and one RoPE shim:
   forward, before the blocks: data-dependent shapes there, none in a block (``compile_repeated_blocks``
   compiles the blocks only; the shims add no data-dependent code).
 * token grid for sparse windows: (frames / patch_t, height / patch, width / patch) of ``hidden_states``.
+* tensor parallelism (:data:`HUNYUAN_VIDEO_TP_PLAN`, both families): the heads of every block's attention
+  (image and text projections), both feed-forwards of the dual blocks, and the single blocks' MLP; a single
+  block's ``proj_out`` reads [attention output, MLP hidden] concatenated, each part split over the ranks by
+  the layer before it, so its input columns are split part by part (:class:`AttnMlpRowwise`). The q / k
+  norms are per head (nothing to all-reduce); the token refiner stays whole on every rank.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..adapter import AttentionSite, LiteBoostProcessor, ModelFamily, RopeSource, rotate_qk
 from ..adapter.shims import (SEA_CACHE_WHY_NOT, CachedRope, call_arg, norm_qk, patch_grid, patch_size,
@@ -46,10 +52,11 @@ from ..config import ConfigError
 from ..ops.joint import JointTokens
 from ..ops.rope import phasors_from_cos_sin
 from ..parallel.plan import CfgPlan, GatherOutput, PipelinePlan, RankArg, ShardingPlan, SplitInput, SplitOutput
+from ..parallel.shard import TensorParallelPlan
 from ..registry import register_family
 
 __all__ = ["HUNYUAN_VIDEO", "HUNYUAN_VIDEO_15", "HunyuanVideoJointProcessor", "HunyuanVideo15JointProcessor",
-           "CachedHunyuanRope", "boost_hunyuan_video_transformer", "boost_hunyuan_video_pipeline",
+           "CachedHunyuanRope", "AttnMlpRowwise", "HUNYUAN_VIDEO_TP_PLAN", "boost_hunyuan_video_transformer", "boost_hunyuan_video_pipeline",
            "boost_hunyuan_video_15_transformer", "boost_hunyuan_video_15_pipeline"]
 
 
@@ -216,9 +223,45 @@ HUNYUAN_VIDEO_15_CACHE_ADAPTER = CacheAdapter(
     probe_module="x_embedder",
 )
 
+class AttnMlpRowwise(ParallelStyle):
+    """Row-wise split of a single-stream block's ``proj_out``, whose input is ``cat([attention output, MLP
+    hidden])``: the attention part is as wide as the layer's output (``out_features``), the MLP part is the
+    rest. Each part arrives split over the tp ranks on its own (the heads by ``to_q/k/v``, the MLP by the
+    column-wise ``proj_mlp``), so the weight's input columns are split part by part: diffusers'
+    ``PackedRowwiseParallel`` with those two block sizes, read from the layer and stored on it as
+    ``_tp_packed_row_blocks`` (as diffusers does for Flux's single blocks at construction)."""
+
+    def _apply(self, module, device_mesh):
+        from diffusers.hooks.tensor_parallel import PackedRowwiseParallel, _styles
+
+        module._tp_packed_row_blocks = [module.out_features, module.in_features - module.out_features]
+        style = _styles({"proj_out": PackedRowwiseParallel()})["proj_out"]
+        style.src_data_rank = self.src_data_rank
+        return style._apply(module, device_mesh)
+
+    def __repr__(self) -> str:
+        return "AttnMlpRowwise()"
+
+
+def _tp_plan() -> TensorParallelPlan:
+    dual = {**{f"transformer_blocks.*.attn.{p}": "colwise" for p in ("to_q", "to_k", "to_v", "add_q_proj",
+                                                                      "add_k_proj", "add_v_proj")},
+            "transformer_blocks.*.attn.to_out.0": "rowwise", "transformer_blocks.*.attn.to_add_out": "rowwise",
+            **{f"transformer_blocks.*.{ff}.net.0.proj": "colwise" for ff in ("ff", "ff_context")},
+            **{f"transformer_blocks.*.{ff}.net.2": "rowwise" for ff in ("ff", "ff_context")}}
+    single = {**{f"single_transformer_blocks.*.attn.{p}": "colwise" for p in ("to_q", "to_k", "to_v")},
+              "single_transformer_blocks.*.proj_mlp": "colwise",
+              "single_transformer_blocks.*.proj_out": AttnMlpRowwise()}
+    return TensorParallelPlan(layers={**dual, **single})
+
+
+# Tensor parallelism: HunyuanVideo's dual and single blocks; 1.5 has dual blocks only (the single-block
+# entries match nothing there). q / k norms are per head (rms_norm over head_dim): no distributed norm.
+HUNYUAN_VIDEO_TP_PLAN = _tp_plan()
+
 # What the two families share: [image, text] joint attention, the RoPE module and the token grid.
 _COMMON = dict(joint="image_first", rope=RopeSource("rope", CachedHunyuanRope, matches=_is_hunyuan_rope),
-               token_grid=_token_grid)
+               token_grid=_token_grid, tensor_parallel=HUNYUAN_VIDEO_TP_PLAN)
 
 HUNYUAN_VIDEO = register_family(ModelFamily(
     name="hunyuan-video",

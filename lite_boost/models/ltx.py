@@ -22,6 +22,10 @@ What varies for this family, as data (:data:`LTX`) plus one processor shim and o
 * token grid for sparse windows: (num_frames, height, width) of the call (the latent grid the
   pipelines pass); LTXConditionPipeline passes ``video_coords`` instead (condition tokens in front
   of the video): those calls run dense.
+* tensor parallelism (:data:`LTX_TP_PLAN`): the heads of both attentions and the feed-forward's columns /
+  rows. The q / k RMS norms normalise across all heads (``qk_norm="rms_norm_across_heads"``): they run as a
+  distributed RMS norm (sum of squares all-reduced over the tp group), as for Wan. RoPE spans the whole
+  inner dimension: each rank rotates its channels with its slice of the tables (:func:`_local_channels`).
 """
 
 from __future__ import annotations
@@ -37,10 +41,38 @@ from ..cache import CacheAdapter
 from ..ops.attention import attention
 from ..ops.rope import RotaryEmbedding, phasors_from_cos_sin
 from ..parallel.plan import CfgPlan, GatherOutput, PipelinePlan, ShardingPlan, SplitInput, SplitOutput
+from ..parallel.shard import TensorParallelPlan
 from ..registry import register_family
 
 __all__ = ["LTX", "LTXAttnProcessor", "CachedLTXRope", "LTX_SHARDING_PLAN", "LTX_PIPELINE_PLAN", "LTX_CACHE_ADAPTER",
-           "boost_ltx_transformer", "boost_ltx_pipeline"]
+           "LTX_TP_PLAN", "boost_ltx_transformer", "boost_ltx_pipeline"]
+
+
+def _local_channels(attn, width: int) -> tuple[int, int]:
+    """[start, stop) of the inner channels this rank's q / k hold (``width`` of them): under tensor parallelism
+    the rank's row slice of ``to_q`` (a DTensor sharded on dim 0), else all of them."""
+    mesh = getattr(attn.to_q.weight, "device_mesh", None)
+    if mesh is None:
+        return 0, width
+    if width % 2:
+        raise ValueError(f"tensor parallelism leaves {width} q / k channels per rank, which splits a RoPE channel "
+                         "pair; use a tp_degree that leaves an even number of channels per rank")
+    rank = mesh.get_local_rank()
+    return rank * width, (rank + 1) * width
+
+
+def _rope_for(attn, emb, width: int):
+    """``emb`` (over the whole inner dimension) restricted to this rank's ``width`` q / k channels."""
+    if isinstance(emb, RotaryEmbedding):
+        if emb.freqs.shape[-1] * 2 == width:
+            return emb
+        start, stop = _local_channels(attn, width)
+        return emb._replace(freqs=emb.freqs[..., start // 2:stop // 2])
+    cos, sin = emb
+    if cos.shape[-1] == width:
+        return emb
+    start, stop = _local_channels(attn, width)
+    return cos[..., start:stop], sin[..., start:stop]
 
 
 class LTXAttnProcessor(LiteBoostProcessor):
@@ -53,6 +85,8 @@ class LTXAttnProcessor(LiteBoostProcessor):
         query = attn.norm_q(attn.to_q(hidden_states))
         key = attn.norm_k(attn.to_k(context))
         value = attn.to_v(context)
+        if image_rotary_emb is not None:  # tensor parallelism: this rank's channels of the tables
+            image_rotary_emb = _rope_for(attn, image_rotary_emb, query.shape[-1])
         if isinstance(image_rotary_emb, RotaryEmbedding):  # cached phasors over the whole inner dim
             query, key = (x.squeeze(2) for x in rotate_qk(query.unsqueeze(2), key.unsqueeze(2), image_rotary_emb))
         elif image_rotary_emb is not None:  # diffusers' own (cos, sin) tables
@@ -189,6 +223,18 @@ LTX_CACHE_ADAPTER = CacheAdapter(
     probe_module="proj_in",
 )
 
+# Tensor parallelism: heads of both attentions (q / k / v colwise, out rowwise) and the FFN (in colwise, out
+# rowwise); the q / k norms across all heads are distributed over the tp group.
+LTX_TP_PLAN = TensorParallelPlan(
+    layers={
+        **{f"transformer_blocks.*.{a}.{p}": "colwise" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v")},
+        **{f"transformer_blocks.*.{a}.to_out.0": "rowwise" for a in ("attn1", "attn2")},
+        "transformer_blocks.*.ff.net.0.proj": "colwise",
+        "transformer_blocks.*.ff.net.2": "rowwise",
+    },
+    norms=tuple(f"transformer_blocks.*.{a}.{n}" for a in ("attn1", "attn2") for n in ("norm_q", "norm_k")),
+)
+
 LTX = register_family(ModelFamily(
     name="ltx",
     output="video",
@@ -202,6 +248,7 @@ LTX = register_family(ModelFamily(
     timestep_module="time_embed",
     sharding=LTX_SHARDING_PLAN,
     pipeline=LTX_PIPELINE_PLAN,
+    tensor_parallel=LTX_TP_PLAN,
     cache=LTX_CACHE_ADAPTER,
     quant_patterns=("transformer_blocks.*",),
     notes="text (T5, 128 tokens) enters through cross-attention, local on every rank; CFG batched (B = 2)",

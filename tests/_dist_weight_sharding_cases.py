@@ -316,7 +316,7 @@ def qwen_pipeline(mesh, parallel, *, heads=4):
 
 def flux_transformer_tp(mesh, *, heads=4):
     """Flux.1 transformer (dual- and single-stream blocks; diffusers' _tp_plan with its packed row-wise
-    single-block projection) under tp 2: parity."""
+    single-block projection) under tp 2: parity, and after unboost (full weights gathered back)."""
     import lite_boost
     from lite_boost.parallel import ParallelManager
 
@@ -329,8 +329,12 @@ def flux_transformer_tp(mesh, *, heads=4):
     with torch.no_grad():
         ref = ref_model(**inputs).sample
         got = model(**inputs).sample
-    return {"diff": _diff(got, ref), "ref_abs": ref.abs().max().item(), "dtensor": _dtensor_bytes(model),
-            "heads": model.single_transformer_blocks[0].attn.heads}
+    out = {"diff": _diff(got, ref), "ref_abs": ref.abs().max().item(), "dtensor": _dtensor_bytes(model),
+           "heads": model.single_transformer_blocks[0].attn.heads}
+    lite_boost.unboost(model)  # unparallelizes first: the packed proj_out's columns back in their own order
+    with torch.no_grad():
+        out["unsharded_diff"] = _diff(model(**inputs).sample, ref)
+    return out
 
 
 def _count_offloaded_gathers(model):

@@ -483,10 +483,11 @@ def _video_family(name, heads=4):
     raise KeyError(name)
 
 
-def video_transformer_tp(mesh, family):
-    """A video family's tiny transformer under tp 2 with its family record's plan: parity against the boosted
-    one-process run (every input set), local head counts, sharded / local bytes, and unboost (unparallelizes
-    first: full weights in their own order, global head counts) giving the one-process output again."""
+def video_transformer_tp(mesh, family, parallel=None):
+    """A video family's tiny transformer under tp 2 (or ``parallel``) with its family record's plan: parity against
+    the boosted one-process run (every input set), local head counts, sharded / local bytes, and unboost
+    (unparallelizes first: full weights in their own order, global head counts) giving the one-process output
+    again."""
     import lite_boost
     from lite_boost.parallel import ParallelManager
     from lite_boost.parallel.shard import local_parameter_bytes
@@ -495,7 +496,7 @@ def video_transformer_tp(mesh, family):
     ref_model = lite_boost.boost(build())
     model = build()
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
-    ParallelManager(model, {"parallel": {"tp_degree": 2, "timeout_s": TIMEOUT_S}}, mesh=mesh)
+    ParallelManager(model, {"parallel": dict(parallel or {"tp_degree": 2}, timeout_s=TIMEOUT_S)}, mesh=mesh)
     out = {"heads": [model.get_submodule(a).heads for a in attns], "full_bytes": _bytes(ref_model),
            "local_bytes": local_parameter_bytes(model)}
     out["dtensor_local"], out["dtensor_total"] = _dtensor_bytes(model)
@@ -531,7 +532,9 @@ CASES = {
     # video families whose record carries the plan (a world-2 spawn of their own: test_tensor_parallel_video_families)
     **{f"{f}_tp2": ({"tp_degree": 2}, lambda mesh, f=f: video_transformer_tp(mesh, f))
        for f in ("hunyuan", "hunyuan15", "ltx", "cogvideox")},
-    # world 4
+    # world 4: tp 2 x fsdp 2 (Ulysses 2): FSDP's removal gathers the packed single-block proj_out first
+    "hunyuan_tp2_fsdp2": ({"tp_degree": 2, "fsdp_degree": 2}, lambda mesh: video_transformer_tp(
+        mesh, "hunyuan", {"tp_degree": 2, "fsdp_degree": 2})),
     "wan_i2v_tp2_ulysses2": ({"tp_degree": 2}, lambda mesh: wan_transformer_tp(mesh)),
     "wan_i2v_tp2_fsdp2": ({"tp_degree": 2, "fsdp_degree": 2}, lambda mesh: wan_transformer_tp_fsdp(mesh)),
     "wan_cfg2_tp2_fsdp2": ({"cfg_degree": 2, "tp_degree": 2, "fsdp_degree": 2},

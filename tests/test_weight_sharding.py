@@ -28,7 +28,8 @@ CASES_OFFLOAD = ["wan_i2v_fsdp2_offload", "wan_fsdp2_offload_pipeline"]
 CASES_4 = ["wan_i2v_tp2_ulysses2", "wan_cfg2_ulysses2_fsdp2"]
 VIDEO_TP = ["hunyuan_tp2", "hunyuan15_tp2", "ltx_tp2", "cogvideox_tp2"]  # video families' own plans
 SPAWNS = {2: (2, CASES_2), 4: (4, CASES_4), "tp_fsdp": (4, ["wan_i2v_tp2_fsdp2", "wan_cfg2_tp2_fsdp2"]),
-          "offload": (2, CASES_OFFLOAD), "video_tp": (2, VIDEO_TP)}  # one spawn each
+          "offload": (2, CASES_OFFLOAD), "video_tp": (2, VIDEO_TP),
+          "video_tp_fsdp": (4, ["hunyuan_tp2_fsdp2"])}  # one spawn each
 _RESULTS = {}
 
 
@@ -156,6 +157,15 @@ def test_tensor_parallel_video_families(name):
         # the rank holds its half of the split layers, everything else whole
         assert r["local_bytes"] == r["full_bytes"] - r["dtensor_total"] + r["dtensor_local"] < r["full_bytes"], r
     _halves([(r["dtensor_local"], r["dtensor_total"]) for r in results])
+
+
+def test_tensor_parallel_x_fsdp_packed_layer_unparallelized_in_order():
+    """HunyuanVideo under tp 2 x fsdp 2 (Ulysses 2): parity, and unboost (FSDP's removal gathers the 2-D weights
+    first) puts the single blocks' packed proj_out columns back in their own order."""
+    for r in _each("video_tp_fsdp", "hunyuan_tp2_fsdp2"):
+        assert r["ref_abs"] > 0.1 and max(r["diffs"]) <= TOL and r["unsharded_diff"] <= TOL, r
+        assert set(r["heads"]) == {2} and set(r["heads_after"]) == {4} and r["weights_back"], r
+        assert r["local_bytes"] < 0.5 * r["full_bytes"], r
 
 
 def test_world_4_tp2_ulysses2_and_cfg2_ulysses2_fsdp2():

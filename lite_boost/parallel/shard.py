@@ -489,11 +489,13 @@ class TensorParallelShards:
 
         for module, pre, post in self.layers:
             for name, p in list(module.named_parameters(recurse=False)):
-                if isinstance(p, DTensor):
-                    full = self.comm._call("tp_all_gather[unshard]", p.full_tensor)
-                    layout = self.packed.get(id(module), {}).get(name)
+                # a packed layer's parameter is reordered whether gathered here or already by FSDP's removal (fsdp x
+                # tp: the 2-D DTensor's full tensor has the same rank-major order)
+                layout = self.packed.get(id(module), {}).get(name)
+                if isinstance(p, DTensor) or layout is not None:
+                    full = self.comm._call("tp_all_gather[unshard]", p.full_tensor) if isinstance(p, DTensor) else p
                     if layout is not None:
-                        full = _unpacked(full, *layout, self.comm.size)
+                        full = _unpacked(full.detach(), *layout, self.comm.size)
                     module.register_parameter(name, torch.nn.Parameter(full, requires_grad=p.requires_grad))
             for key in pre:
                 module._forward_pre_hooks.pop(key, None)

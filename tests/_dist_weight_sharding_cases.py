@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 TIMEOUT_S = 120
+METHODS = ("int8_dynamic", "int8_weight_only")  # the torchao methods the quantized cases run
 
 
 def _diff(a, b) -> float:
@@ -126,6 +127,35 @@ def wan_transformer_fsdp(mesh, *, heads=3, i2v=True, grid=(3, 3, 5)):
     return out
 
 
+class _Explained(torch.nn.Module):
+    """Stands in for a block for one call: torch._dynamo.explain of the block (its FSDP and sequence-parallel
+    hooks included) with the inputs the model gives it, then the block's eager call."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block, self.explained = block, None
+
+    def forward(self, *args, **kwargs):
+        self.explained = torch._dynamo.explain(self.block)(*args, **kwargs)
+        return self.block(*args, **kwargs)
+
+
+def _block_graph_breaks(model, *inputs):
+    """torch._dynamo.explain on the first block: (its graph breaks, the graphs that compute anything), and the
+    model's output."""
+    block = model.blocks[0]
+    model.blocks[0] = probe = _Explained(block)
+    try:
+        out = model(*inputs).sample
+    finally:
+        model.blocks[0] = block
+    torch._dynamo.reset()
+    ex = probe.explained
+    with_ops = sum(any(n.op in ("call_function", "call_method", "call_module") for n in g.graph.nodes)
+                   for g in ex.graphs)
+    return (len(ex.break_reasons), with_ops), out
+
+
 def wan_transformer_fsdp_quant(mesh, *, heads=2, grid=(3, 3, 5)):
     """Wan T2V transformer quantized (torchao int8 weights, int8 dynamic and weight-only) under fsdp 2 x
     Ulysses 2 against the one-process run of the same quantization: parity (eager and compiled), the int8
@@ -138,7 +168,7 @@ def wan_transformer_fsdp_quant(mesh, *, heads=2, grid=(3, 3, 5)):
     x, ctx, kw = _wan_inputs(False, grid)
     t = torch.tensor([700.0])
     out = {}
-    for method in ("int8_dynamic", "int8_weight_only"):
+    for method in METHODS:
         ref_model = lite_boost.boost(tiny_wan_transformer(spec), {"quant": method})
         model = tiny_wan_transformer(spec)
         ParallelManager(model, {"quant": method, "parallel": {"fsdp_degree": 2, "timeout_s": TIMEOUT_S}}, mesh=mesh)
@@ -151,16 +181,23 @@ def wan_transformer_fsdp_quant(mesh, *, heads=2, grid=(3, 3, 5)):
         with torch.no_grad():
             ref = ref_model(x, t, ctx).sample
             r["diff"] = _diff(model(x, t, ctx).sample, ref)
-            if method == "int8_weight_only":  # (int8_dynamic: see the weight-sharding guide on compile)
-                torch._dynamo.reset()
-                model.compile_repeated_blocks(fullgraph=True, backend="eager")
-                r["compiled_diff"] = _diff(model(x, t, ctx).sample, ref)
-                torch._dynamo.reset()
+            r["breaks_graphs"], explained = _block_graph_breaks(model, x, t, ctx)
+            r["explained_diff"] = _diff(explained, ref)
+            # compiled (one graph per block): against the one-process quantized model compiled the same way
+            # (a compiled block's fp32 rounding can differ from eager by an ulp, which may move an
+            # activation across an int8 rounding step)
+            torch._dynamo.reset()
+            ref_model.compile_repeated_blocks(fullgraph=True, backend="eager")
+            ref_compiled = ref_model(x, t, ctx).sample
+            model.compile_repeated_blocks(fullgraph=True, backend="eager")
+            r["compiled_diff"] = _diff(model(x, t, ctx).sample, ref_compiled)
+            r["ref_compiled_vs_eager"] = _diff(ref_compiled, ref)
+            torch._dynamo.reset()
         unparallelize(model)
         r["unsharded_type"] = type(q.weight).__name__
         r["ref_type"] = type(ref_model.blocks[0].ffn.net[0].proj.weight).__name__
-        with torch.no_grad():
-            r["unsharded_diff"] = _diff(model(x, t, ctx).sample, ref)
+        with torch.no_grad():  # both still compiled
+            r["unsharded_diff"] = _diff(model(x, t, ctx).sample, ref_compiled)
         lite_boost.unboost(model)  # the original full-precision weights come back
         r["unboosted_plain"] = all(type(p) is torch.nn.Parameter and p.dtype == torch.float32
                                    for p in model.parameters())

@@ -53,6 +53,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ..config import ConfigError
+from ..ops.quant_int8 import int8_linear, int8_spec
 from .comm import Communicator
 
 __all__ = ["TensorParallelPlan", "shard_weights", "apply_tensor_parallel", "check_fsdp", "check_tensor_parallel",
@@ -313,7 +314,15 @@ class PackedWeight:
             else:
                 module.register_parameter(self._key(key), torch.nn.Parameter(t, requires_grad=False))
         module.__dict__[name] = None
-        self.handles = [module.register_forward_pre_hook(self._pack), module.register_forward_hook(self._drop)]
+        # torchao's int8-dynamic weight: computed from the gathered tensors by a custom op, so that no graph
+        # builds the tensor subclass (Dynamo cannot construct its activation settings); weight-only and
+        # the others are put back together for each call
+        self.spec = int8_spec(weight) if name == "weight" else None
+        if self.spec is not None and self.spec.dynamic:
+            module.forward = self._int8_forward
+            self.handles = []
+        else:
+            self.handles = [module.register_forward_pre_hook(self._pack), module.register_forward_hook(self._drop)]
 
     def _key(self, key: str) -> str:
         return f"{self.name}{PACKED_SEP}{key}"
@@ -321,6 +330,11 @@ class PackedWeight:
     def _assemble(self, module):
         inner = {k: getattr(module, self._key(k)) for k in self.inner}
         return self.cls.__tensor_unflatten__(inner, self.ctx, self.size, self.stride)
+
+    def _int8_forward(self, x):
+        module = self.module
+        inner = {k: getattr(module, self._key(k)) for k in self.inner}
+        return int8_linear(x, inner["qdata"], inner["scale"], inner.get("zero_point"), module.bias, self.spec)
 
     def _pack(self, module, args):
         setattr(module, self.name, self._assemble(module))  # a plain attribute: no parameter of that name
@@ -333,6 +347,8 @@ class PackedWeight:
         module = self.module
         for h in self.handles:
             h.remove()
+        if module.__dict__.get("forward") == self._int8_forward:
+            del module.__dict__["forward"]
         weight = self._assemble(module)
         for key in self.inner:
             module._parameters.pop(self._key(key), None)

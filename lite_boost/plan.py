@@ -573,21 +573,22 @@ def tensor_parallel_plan(model, family=None):
 
 
 def check_weight_sharding(target, models, config: BoostConfig, world_size: int, *, cfg_degree: int = 1,
-                          tp_degree: int = 1, fsdp_degree: int = 1, family=None) -> list:
+                          tp_degree: int = 1, fsdp_degree: int = 1, family=None, quant_plans=None) -> list:
     """Can ``models`` be split over ``tp_degree`` / ``fsdp_degree`` ranks of ``world_size``? ConfigError naming
-    the valid degrees, before any collective. Returns the models' tensor-parallel plans (one per model)."""
-    from .parallel.shard import check_fsdp, check_tensor_parallel
+    the valid degrees, before any collective. Returns the models' tensor-parallel plans (one per model).
+    ``quant_plans``: the models' QuantPlans (the layers to be quantized), when ``config.quant`` is set."""
+    from .parallel.shard import check_fsdp, check_tensor_parallel, check_tensor_parallel_quant
 
     tp_plans = [tensor_parallel_plan(m, family) for m in models] if tp_degree > 1 else [None] * len(models)
     if tp_degree > 1:
-        if config.quant is not None:
-            raise ConfigError(f"tp_degree={tp_degree} with quant={config.quant.method!r}: torchao's quantized "
-                              "weights cannot be split into DTensor shards. Valid: tp_degree=1 with quant, or "
-                              "quant=None with tp_degree")
+        check_tensor_parallel_quant(None, None, tp_degree, config.quant, fsdp_degree=fsdp_degree)
         rest = world_size // cfg_degree if world_size % cfg_degree == 0 else world_size
         candidates = [d for d in range(1, rest + 1) if rest % d == 0]
-        for model, plan in zip(models, tp_plans):
+        for i, (model, plan) in enumerate(zip(models, tp_plans)):
             check_tensor_parallel(model, plan, tp_degree, candidates)
+            qplan = quant_plans[i] if quant_plans else None
+            check_tensor_parallel_quant(model, plan, tp_degree, config.quant,
+                                        qplan.layers if qplan is not None else None)
     check_fsdp(type(target).__name__, [(type(m).__name__, m) for m in models], fsdp_degree, config.quant)
     return tp_plans
 
@@ -605,7 +606,7 @@ def _resolve_weights(draft: Draft):
             raise draft.mesh_error  # weight-sharding degrees that do not fit the world first
     return tuple(check_weight_sharding(draft.target, draft.models, draft.config, draft.world_size,
                                        cfg_degree=draft.cfg_degree, tp_degree=tp, fsdp_degree=fsdp,
-                                       family=draft.family))
+                                       family=draft.family, quant_plans=draft.parts.get("quant")))
 
 
 def _resolve_attention(draft: Draft):

@@ -27,7 +27,7 @@ CASES_2 = ["wan_i2v_fsdp2_ulysses2", "wan_i2v_tp2", "wan22_cfg2_fsdp2_fbc_sparse
 CASES_OFFLOAD = ["wan_i2v_fsdp2_offload", "wan_fsdp2_offload_pipeline"]
 CASES_4 = ["wan_i2v_tp2_ulysses2", "wan_cfg2_ulysses2_fsdp2"]
 VIDEO_TP = ["hunyuan_tp2", "hunyuan15_tp2", "ltx_tp2", "cogvideox_tp2"]  # video families' own plans
-CASES_QUANT = ["wan_fsdp2_quant"]  # quantized weights
+CASES_QUANT = ["wan_fsdp2_quant", "wan_tp2_quant"]  # quantized weights
 SPAWNS = {2: (2, CASES_2), 4: (4, CASES_4), "tp_fsdp": (4, ["wan_i2v_tp2_fsdp2", "wan_cfg2_tp2_fsdp2"]),
           "offload": (2, CASES_OFFLOAD), "video_tp": (2, VIDEO_TP),
           "video_tp_fsdp": (4, ["hunyuan_tp2_fsdp2"]), "quant": (2, CASES_QUANT)}  # one spawn each
@@ -77,7 +77,7 @@ def test_fsdp_shards_torchao_int8_weights_as_their_stored_data():
             assert q["ref_abs"] > 0.1 and q["diff"] <= TOL and q["unsharded_diff"] <= TOL, (method, q)
             # compile_repeated_blocks(fullgraph=True) of the sharded blocks equals the one-process quantized
             # model compiled the same way; explain finds no graph break in a block, one graph computes it
-            # (int8_dynamic's Linear is a custom op on the gathered int8 data, no Int8Tensor in the graph)
+            # (int8_dynamic: a custom op on the gathered int8 data, no Int8Tensor in the graph)
             assert q["compiled_diff"] <= TOL and q["explained_diff"] <= TOL, (method, q)
             assert q["breaks_graphs"] == (0, 1), (method, q)
             # the int8 rows of ffn.net.0.proj (64 -> 2 x 32): sharded as int8, nothing dequantized
@@ -86,6 +86,24 @@ def test_fsdp_shards_torchao_int8_weights_as_their_stored_data():
             assert q["unsharded_type"] == q["ref_type"] == "Int8Tensor" and q["unboosted_plain"], q
     for method in ("int8_dynamic", "int8_weight_only"):
         _halves([(r[method]["int8_local"], r[method]["int8_total"]) for r in results])
+
+
+def test_tensor_parallel_splits_torchao_int8_weights_as_their_stored_data():
+    results = _each("quant", "wan_tp2_quant")
+    for r in results:
+        q = r["int8_weight_only"]
+        # quantized once on the full weights, then split: only the partial sums' order differs from one process
+        assert q["ref_abs"] > 0.1 and max(q["diffs"]) <= TOL and q["unsharded_diff"] <= TOL, q
+        # column-wise to_q: 96 -> 2 x 48 output rows (int8 rows, scale rows, bias); row-wise ffn out: 64 -> 2 x 32
+        # input columns, the per-row scale and bias whole; the parts are the one-process int8 data exactly
+        assert q["q"] == ("torch.int8", (48, 96), (48, 1), (48,)), q
+        assert q["ffn_out"] == ("torch.int8", (96, 32), (96, 1), (96,)), q
+        assert q["slices_equal"] and q["weight_between_calls"] is None and q["heads"] == 2, q
+        # unparallelize gathers the same Int8Tensor back; unboost restores the fp32 weights and head counts
+        assert q["unsharded_type"] == "Int8Tensor" and q["unsharded_equal"], q
+        assert q["unboosted_plain"] and q["heads_after"] == 4, q
+    assert results[0]["int8_weight_only"]["int8_layers"] == 30  # every quantized Linear of the 3 blocks
+    _halves([(r["int8_weight_only"]["int8_local"], r["int8_weight_only"]["int8_total"]) for r in results])
 
 
 def test_fsdp_two_experts_text_encoder_cfg2_cached_sparse():
@@ -330,10 +348,25 @@ def test_ffn_width_and_quant_refused(monkeypatch):
                                           r"valid tp_degree for this model and world size: \[1\]"):
         ParallelManager(model, {"parallel": {"tp_degree": 2}})
     model = tiny_wan_transformer(TinyWanSpec(heads=2))
-    with pytest.raises(ConfigError, match="quant=None with tp_degree"):
-        ParallelManager(model, {"parallel": {"tp_degree": 2}, "quant": "int8_weight_only"})
+    with pytest.raises(ConfigError, match=r"quant='int8_dynamic'.*valid quant with tp_degree > 1: "
+                                          r"\['int8_weight_only'\] or None"):
+        ParallelManager(model, {"parallel": {"tp_degree": 2}, "quant": "int8_dynamic"})
+    assert not dist.is_initialized() and getattr(model, "_lite_boost", None) is None
     from lite_boost.config import QuantConfig
-    from lite_boost.parallel.shard import check_fsdp
+    from lite_boost.parallel.shard import check_fsdp, check_tensor_parallel_quant
+
+    with pytest.raises(ConfigError, match=r"quant='fp8'.*valid quant with tp_degree > 1: \['int8_weight_only'\]"):
+        check_tensor_parallel_quant(model, None, 2, QuantConfig("fp8"))
+    with pytest.raises(ConfigError, match=r"tp_degree=2 x fsdp_degree=2 with quant='int8_weight_only'.*valid: quant "
+                                          r"with tp_degree or fsdp_degree alone"):
+        check_tensor_parallel_quant(model, None, 2, QuantConfig("int8_weight_only"), fsdp_degree=2)
+    # a quantized layer split another way than column / row-wise (Flux's packed single-block projection)
+    from lite_boost.parallel.shard import TensorParallelPlan
+
+    packed = TensorParallelPlan(layers={"blocks.*.ffn.net.2": object()})
+    with pytest.raises(ConfigError, match=r"blocks.0.ffn.net.2 is split as .*QuantConfig\(exclude="):
+        check_tensor_parallel_quant(model, packed, 2, QuantConfig("int8_weight_only"), ["blocks.0.ffn.net.2"])
+    check_tensor_parallel_quant(model, packed, 2, QuantConfig("int8_weight_only"), ["blocks.0.ffn.net.0.proj"])
 
     with pytest.raises(ConfigError, match=r"quant='w8a8_npu'.*valid quant with fsdp_degree > 1: \['int8_dynamic', "
                                           r"'int8_weight_only', 'fp8'\] or None"):
@@ -383,3 +416,45 @@ def test_cli_flags_reach_the_config_and_bad_degrees_stop_before_torchrun():
                          (["--tp-degree", "2", "--fsdp-degree", "4"], r"valid \(tp_degree, fsdp_degree\) pairs")):
         with pytest.raises(SystemExit, match=match):
             _validate_generate(build_parser().parse_args(["generate", "--nproc", "4", *flags]))
+
+
+def test_int8_ops_equal_torchao_linear_whole_and_split_by_columns():
+    """The custom ops on an Int8Tensor's stored tensors = torchao's own Linear, bit for bit: whole (both methods,
+    eager and in one fullgraph compiled graph), and int8_dynamic split by input columns with the whole row's
+    absmax and exact int32 sums."""
+    import warnings
+
+    import torch
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
+
+    from lite_boost.ops.quant_int8 import int8_act_absmax, int8_finish, int8_linear, int8_partial_mm, int8_spec
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 9, 32)
+    for config in (Int8DynamicActivationInt8WeightConfig(set_inductor_config=False),
+                   Int8WeightOnlyConfig(set_inductor_config=False)):
+        lin = torch.nn.Linear(32, 24)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quantize_(lin, config)
+        w, spec = lin.weight, int8_spec(lin.weight)
+        with torch.no_grad():
+            ref = lin(x)
+            got = int8_linear(x, w.qdata, w.scale, w.zero_point, lin.bias, spec)
+            assert torch.equal(got, ref), (spec, (got - ref).abs().max())
+            torch._dynamo.reset()
+            fn = lambda a: int8_linear(a, w.qdata, w.scale, w.zero_point, lin.bias, spec)  # noqa: E731
+            explained = torch._dynamo.explain(fn)(x)
+            assert explained.graph_break_count == 0 and explained.graph_count == 1
+            assert torch.equal(torch.compile(fn, fullgraph=True, backend="eager")(x), ref)
+            torch._dynamo.reset()
+        if not spec.dynamic:
+            continue
+        halves = list(zip(x.chunk(2, -1), w.qdata.chunk(2, -1)))
+        absmax = torch.maximum(*[int8_act_absmax(xs) for xs, _ in halves])  # the all-reduce (MAX)
+        parts = [int8_partial_mm(xs, absmax, qs, spec) for xs, qs in halves]
+        assert torch.equal(parts[0][1], parts[1][1])  # both halves quantized with the whole row's scale
+        c = parts[0][0] + parts[1][0]  # the all-reduce (SUM) of the int32 products
+        assert torch.equal(int8_finish(c, parts[0][1], w.scale, lin.bias, x), ref)
+        # a half's own absmax would give another scale: the whole row's is what makes it exact
+        assert not torch.equal(int8_act_absmax(halves[0][0]), absmax)

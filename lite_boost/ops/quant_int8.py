@@ -108,16 +108,15 @@ def _int8_partial_mm_op(x: torch.Tensor, absmax: torch.Tensor, qdata: torch.Tens
                         reduce_range: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from torchao.kernel.intmm import safe_int_mm
     from torchao.quantization import Int8Tensor, MappingType, PerRow
-    from torchao.quantization.quant_primitives import _DTYPE_TO_QVALUE_BOUNDS, choose_qparams_affine
+    from torchao.quantization.quant_primitives import _DTYPE_TO_QVALUE_BOUNDS
 
     qmin, qmax = _DTYPE_TO_QVALUE_BOUNDS[torch.int8]
     if reduce_range:
         qmin, qmax = qmin // 2, qmax // 2
-    # the scale torchao computes from the whole row: its absmax is the only value that enters it
-    scale, _ = choose_qparams_affine(input=absmax.to(x.dtype), mapping_type=MappingType[mapping],
-                                     block_size=[1] * absmax.ndim, target_dtype=torch.int8, quant_min=qmin,
-                                     quant_max=qmax, scale_dtype=torch.float32, zero_point_dtype=torch.int8,
-                                     keepdim=True, eps=torch.finfo(torch.float32).eps)
+    # the scale torchao's symmetric choose_qparams_affine computes from the whole row (its absmax is the only
+    # value that enters it): the same arithmetic in the same dtype
+    scale = absmax.to(x.dtype) / (float(qmax - qmin) / 2)
+    scale = torch.clamp(scale, min=torch.finfo(torch.float32).eps).to(torch.float32)
     xq = Int8Tensor.from_hp(x, PerRow(), mapping_type=MappingType[mapping], scale=scale, reduce_range=reduce_range)
     a = xq.qdata.reshape(-1, x.shape[-1])
     c = safe_int_mm(a, qdata.contiguous().t())  # exact int32 sums, as every torchao int8 matmul path

@@ -24,7 +24,10 @@ inner plain tensors (``weight__qdata``, ``weight__scale``, ... from ``__tensor_f
 as frozen parameters, and a forward pre-hook of the Linear layer puts the quantized tensor back
 together (``__tensor_unflatten__``) from the gathered inner tensors; a post-hook drops it again. The
 int8 / float8 data travels in the all-gather as it is stored: nothing is re-quantized, and the
-reassembled weight equals the one-process weight bit for bit.
+reassembled weight equals the one-process weight bit for bit. An ``int8_dynamic`` weight is not
+reassembled at all: the Linear's instance ``forward`` is one custom op on the gathered tensors
+(:func:`lite_boost.ops.quant_int8.int8_linear`), so no compiled graph builds the tensor subclass (Dynamo
+cannot construct an ``Int8Tensor`` that carries its activation settings).
 
 Tensor parallelism (:func:`apply_tensor_parallel`): the plan's "colwise" layers (q / k / v, the FFN's
 first projection) keep ``1 / tp_degree`` of their output features, the "rowwise" ones (attention
@@ -33,7 +36,9 @@ attention module above a colwise layer sees its local head count (``heads``, ``i
 the instance, restored on removal), so the processors split heads as before. RMS norms that normalise
 across all heads (``TensorParallelPlan.norms``, Wan's ``qk_norm="rms_norm_across_heads"``) become a
 distributed RMS norm: the sum of squares is all-reduced over the tp group, each rank scales its own
-features by its slice of the weight.
+features by its slice of the weight. A torchao ``Int8Tensor`` weight (``int8_weight_only``) is quantized
+on the full weight first, then its stored int8 data and scales are split per style
+(:class:`QuantizedTensorParallel`).
 
 Both together (FSDP2 + TP): the tp plan is applied first on the "tp" dimension of one 2-D DeviceMesh
 ("fsdp", "tp"), then :func:`shard_weights` on its "fsdp" dimension shards the DTensor weights further.
@@ -53,11 +58,14 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ..config import ConfigError
-from ..ops.quant_int8 import int8_linear, int8_spec
+from ..ops.quant_int8 import (int8_act_absmax, int8_finish, int8_linear, int8_partial_mm, int8_spec,
+                              int8_weight_only_mm)
 from .comm import Communicator
 
 __all__ = ["TensorParallelPlan", "shard_weights", "apply_tensor_parallel", "check_fsdp", "check_tensor_parallel",
-           "block_class_names", "local_parameter_bytes", "FsdpShards", "PackedWeight", "TensorParallelShards", "HEAD_ATTRS"]
+           "check_tensor_parallel_quant",
+           "block_class_names", "local_parameter_bytes", "FsdpShards", "PackedWeight", "QuantizedTensorParallel",
+           "TensorParallelShards", "HEAD_ATTRS"]
 
 TP_STYLES = ("colwise", "rowwise")
 # attributes of an attention module that count heads or head channels: divided by tp_degree on the instance
@@ -190,6 +198,42 @@ def check_tensor_parallel(model, plan: TensorParallelPlan | None, tp_degree: int
         raise ConfigError(f"tp_degree={tp_degree} does not divide {bad[0][0]} of {name}"
                           f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}; valid tp_degree for this model "
                           f"and world size: {valid}")
+
+
+# quantization methods whose weights tensor parallelism splits (torchao Int8Tensor data and scales)
+TP_QUANT_METHODS = ("int8_weight_only",)
+
+
+def check_tensor_parallel_quant(model, plan: TensorParallelPlan | None, tp_degree: int, quant,
+                                layers=None, fsdp_degree: int = 1) -> None:
+    """ConfigError, before any collective, when ``quant`` (a QuantConfig) cannot be split over ``tp_degree``
+    ranks: a method other than torchao's int8 ones, or a quantized layer (``layers``: the QuantPlan's layer
+    names) that the plan splits with another style than "colwise" / "rowwise" (a packed projection)."""
+    if tp_degree == 1 or quant is None:
+        return
+    if quant.method == "int8_dynamic":
+        raise ConfigError(f"tp_degree={tp_degree} with quant='int8_dynamic': the split layers' fp32 partial sums "
+                          "(distributed RMS norm, row-wise outputs) can move an activation across an int8 rounding "
+                          "step, so the output does not match one process within 1e-5 (measured 1.4e-3 on a tiny "
+                          f"Wan); valid quant with tp_degree > 1: {list(TP_QUANT_METHODS)} or None")
+    if quant.method not in TP_QUANT_METHODS:
+        raise ConfigError(f"tp_degree={tp_degree} with quant={quant.method!r}: tensor parallelism splits the stored "
+                          f"int8 data and scales of torchao's Int8Tensor only; valid quant with tp_degree > 1: "
+                          f"{list(TP_QUANT_METHODS)} or None")
+    if fsdp_degree > 1:
+        raise ConfigError(f"tp_degree={tp_degree} x fsdp_degree={fsdp_degree} with quant={quant.method!r}: the split "
+                          "int8 data has not been run under FSDP on the 2-D mesh; valid: quant with tp_degree or "
+                          "fsdp_degree alone, or quant=None with both")
+    if plan is None or layers is None:
+        return
+    wanted = set(layers)
+    for path, name, _ in _match(model, list(plan.layers)):
+        style = plan.layers[path]
+        if name in wanted and style not in TP_STYLES:
+            raise ConfigError(f"tp_degree={tp_degree} with quant={quant.method!r}: {name} is split as {style!r} "
+                              f"(tensor-parallel plan entry {path!r}), which a quantized layer cannot be (only "
+                              f"{list(TP_STYLES)}); leave it unquantized (QuantConfig(exclude=[...])) or use "
+                              "quant=None")
 
 
 # quantization methods whose weights FSDP shards (torchao tensor subclasses, split as their inner tensors)
@@ -498,6 +542,7 @@ class TensorParallelShards:
     heads: list = field(default_factory=list)  # (module, {attr: original})
     norms: list = field(default_factory=list)  # norm modules with an instance forward
     packed: dict = field(default_factory=dict)  # id(module) -> {param name: (dim, block sizes)} (packed layers)
+    quantized: list = field(default_factory=list)  # QuantizedTensorParallel layers
 
     def remove(self) -> None:
         """All-gather the full weights back, drop the hooks, restore head counts (collective over the tp group)."""
@@ -517,12 +562,14 @@ class TensorParallelShards:
                 module._forward_pre_hooks.pop(key, None)
             for key in post:
                 module._forward_hooks.pop(key, None)
+        for layer in self.quantized:
+            layer.unshard()
         for module, originals in self.heads:
             for attr, value in originals.items():
                 setattr(module, attr, value)
         for norm in self.norms:
             norm.__dict__.pop("forward", None)
-        self.layers, self.heads, self.norms, self.packed = [], [], [], {}
+        self.layers, self.heads, self.norms, self.packed, self.quantized = [], [], [], {}, []
 
 
 def _packed_layout(style, module) -> dict:
@@ -561,6 +608,94 @@ def _unpacked(full: torch.Tensor, dim: int, sizes, tp: int) -> torch.Tensor:
     return torch.cat([ranks[r][b] for b in range(len(sizes)) for r in range(tp)], dim)
 
 
+class QuantizedTensorParallel:
+    """A torchao ``Int8Tensor`` Linear (``int8_weight_only`` / ``int8_dynamic``) split over the tp group: the
+    quantization was done on the full weight (as in one process); this rank keeps its part of the stored
+    int8 data and scales, as plain frozen parameters (``weight__qdata``, ``weight__scale``, ...), and an
+    instance ``forward`` computes from them with torchao's arithmetic (:mod:`lite_boost.ops.quant_int8`).
+
+    "colwise": the output rows of ``qdata``, ``scale``, ``zero_point`` and ``bias`` are split; each rank
+    computes its output features. "rowwise": the input columns of ``qdata`` are split, the per-output-row
+    scale and the bias stay whole. int8_weight_only: the partial products are all-reduced, then scaled.
+    int8_dynamic: each token's activation scale must be the whole row's, so the per-token absmax is
+    all-reduced (MAX, ``tp_act_absmax[<layer>]``) before this rank quantizes its slice; the int32 partial
+    products are all-reduced (SUM, exact) and scaled as torchao does, so the result equals one process.
+    """
+
+    def __init__(self, module: torch.nn.Linear, style: str, comm: Communicator, name: str):
+        weight = module.weight
+        self.module, self.style, self.comm, self.name = module, style, comm, name
+        self.spec = int8_spec(weight)
+        self.inner, self.ctx = weight.__tensor_flatten__()
+        self.cls, self.size, self.stride = type(weight), weight.size(), weight.stride()
+        self.requires_grad = weight.requires_grad
+        self.bias_requires_grad = module.bias.requires_grad if module.bias is not None else False
+        rows = style == "colwise"
+        del module._parameters["weight"]
+        for key in self.inner:
+            t = getattr(weight, key)
+            local = self._local(t, rows or key == "qdata", rows)
+            module.register_parameter(self._key(key), torch.nn.Parameter(local, requires_grad=False))
+        if rows and module.bias is not None:
+            module.bias = torch.nn.Parameter(self._local(module.bias.detach(), True, True),
+                                             requires_grad=self.bias_requires_grad)
+        module.__dict__["weight"] = None
+        module.forward = self.forward
+
+    def _key(self, key: str) -> str:
+        return f"weight{PACKED_SEP}{key}"
+
+    def _local(self, t: torch.Tensor, split: bool, rows: bool) -> torch.Tensor:
+        if not split:  # a rowwise layer's per-row scale / zero point: whole
+            return t.detach().clone()
+        dim = 0 if rows else t.ndim - 1
+        part = t.shape[dim] // self.comm.size
+        return t.detach().narrow(dim, self.comm.rank * part, part).contiguous().clone()
+
+    def _all_reduce(self, t: torch.Tensor, op: str, what: str) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return funcol.all_reduce(t, op, self.comm._funcol_group)
+        red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        self.comm._call(f"{what}[{self.name}]", functools.partial(dist.all_reduce, op=red, group=self.comm.group), t)
+        return t
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        q, scale = m.weight__qdata, m.weight__scale
+        zero_point = getattr(m, "weight__zero_point", None)
+        if self.style == "colwise":
+            return int8_linear(x, q, scale, zero_point, m.bias, self.spec)
+        if self.spec.dynamic:
+            absmax = self._all_reduce(int8_act_absmax(x), "max", "tp_act_absmax")
+            c, x_scale = int8_partial_mm(x, absmax, q, self.spec)
+            c = self._all_reduce(c, "sum", "tp_all_reduce")
+            return int8_finish(c, x_scale, scale, m.bias, x)
+        out_dtype = x.dtype
+        y = self._all_reduce(int8_weight_only_mm(x, q), "sum", "tp_all_reduce")
+        y = (y * scale.to(y.dtype).flatten()).reshape(*x.shape[:-1], q.shape[0])  # torchao's weight-only order
+        if m.bias is not None:
+            y += m.bias
+        return y.to(out_dtype)
+
+    def unshard(self) -> None:
+        """All-gather this layer's parts and register the quantized weight again (collective over the tp group)."""
+        m, comm, rows = self.module, self.comm, self.style == "colwise"
+        inner = {}
+        for key in self.inner:
+            local = m._parameters.pop(self._key(key))
+            if rows or key == "qdata":
+                inner[key] = comm.gather(local.detach(), 0 if rows else -1, op="tp_all_gather[unshard]")
+            else:
+                inner[key] = local.detach()
+        if rows and m.bias is not None:
+            m.bias = torch.nn.Parameter(comm.gather(m.bias.detach(), 0, op="tp_all_gather[unshard]"),
+                                        requires_grad=self.bias_requires_grad)
+        m.__dict__.pop("forward", None)
+        m.__dict__.pop("weight", None)
+        weight = self.cls.__tensor_unflatten__(inner, self.ctx, self.size, self.stride)
+        m.register_parameter("weight", torch.nn.Parameter(weight, requires_grad=self.requires_grad))
+
+
 def _style(style):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -593,13 +728,16 @@ def apply_tensor_parallel(model, plan: TensorParallelPlan, mesh, comm: Communica
     tp = comm.size
     shards = TensorParallelShards(model=model, comm=comm)
     for path, name, module in _match(model, list(plan.layers)):
-        pre, post = set(module._forward_pre_hooks), set(module._forward_hooks)
-        parallelize_module(module, mesh, _style(plan.layers[path]))
-        layout = _packed_layout(plan.layers[path], module)
-        if layout:
-            shards.packed[id(module)] = layout
-        module.register_forward_hook(functools.partial(_named_wait, comm, f"tp_all_reduce[{name}]"))
-        shards.layers.append((module, set(module._forward_pre_hooks) - pre, set(module._forward_hooks) - post))
+        if _subclass_weight(module):  # a torchao int8 weight (check_tensor_parallel_quant took the others)
+            shards.quantized.append(QuantizedTensorParallel(module, plan.layers[path], comm, name))
+        else:
+            pre, post = set(module._forward_pre_hooks), set(module._forward_hooks)
+            parallelize_module(module, mesh, _style(plan.layers[path]))
+            layout = _packed_layout(plan.layers[path], module)
+            if layout:
+                shards.packed[id(module)] = layout
+            module.register_forward_hook(functools.partial(_named_wait, comm, f"tp_all_reduce[{name}]"))
+            shards.layers.append((module, set(module._forward_pre_hooks) - pre, set(module._forward_hooks) - post))
         if plan.layers[path] != "rowwise":
             parent = _parent(model, name)
             if isinstance(getattr(parent, "heads", None), int) and all(parent is not m for m, _ in shards.heads):

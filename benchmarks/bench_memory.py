@@ -1,6 +1,7 @@
 """Per-rank peak memory and step time of each weight layout, measured and as the planner predicts them.
 
     flock /tmp/lite_boost_bench.lock python benchmarks/bench_memory.py              # layouts at 1, 2, 4 ranks
+    python benchmarks/bench_memory.py --rounds 3 --append                           # 3 more interleaved rounds
     python benchmarks/bench_memory.py --layouts ulysses2,fsdp2 --calls 2            # a subset
     python benchmarks/bench_memory.py --layouts fsdp4,tp4 --append                  # add to memory.json
 
@@ -11,7 +12,11 @@ that glibc maps every tensor of 64 KiB or more on its own and unmaps it when fre
 follows the live tensors. Measured per rank: the resident-set growth from building the model and applying
 the layout (weights), the peak of one call over the resident set before it (the kernel's high-water mark
 reset through /proc/self/clear_refs just before the call), the peak over the process's baseline (before
-the model), and the median call time over ``--calls`` calls after a warm-up. Predicted: lite_boost.memory's
+the model), and the median call time over ``--calls`` calls after a warm-up. ``--rounds R`` runs every layout R
+times, interleaved (round 1: each layout once, then round 2, ...), each run in fresh processes: the table's
+step time is the median over the rounds (each round's time is the median over ranks), and beside it the ratio
+to the replicated run of the same round (median over rounds); the memory columns come from round 1, and the
+spread of the peak over the rounds is recorded. Predicted: lite_boost.memory's
 per-rank weights, FSDP gather working set (gloo's measured multiple) and activations for the same layout
 (from the unsharded module's counts), plus ``HOST_LIBRARIES_BYTES``: the process's baseline is read after
 ``import torch``, so what it loads afterwards (diffusers, lite_boost, the operator library) is in every
@@ -149,6 +154,7 @@ def repredict(args) -> None:
     with open(path) as fh:
         old = json.load(fh)
     args.blocks, args.shape, args.loads = old["blocks"], tuple(old["shape"]), old.get("loads", {})
+    args.rounds_record = old.get("rounds", {})
     with torch.device("meta"):
         model = WanTransformer3DModel(num_layers=args.blocks, **old["dims"])
     for name, rows in old["results"].items():
@@ -233,6 +239,8 @@ def main() -> None:
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--blocks", type=int, default=2)
     ap.add_argument("--calls", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every layout this many times, interleaved (the step time is the median over rounds)")
     ap.add_argument("--shape", default="9x160x256", help="FRAMESxHEIGHTxWIDTH (default: 480 tokens)")
     ap.add_argument("--out", default="memory")
     ap.add_argument("--append", action="store_true",
@@ -242,6 +250,8 @@ def main() -> None:
                          "(rewrites it and the .md)")
     args = ap.parse_args()
     args.shape = tuple(int(x) for x in args.shape.split("x"))
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.repredict:
         repredict(args)
         return
@@ -259,18 +269,41 @@ def main() -> None:
         results, loads = old["results"], old.get("loads", {})
         load0 = tuple(old["load_before"])
     args.loads = loads
-    for name in args.layouts.split(","):
-        t0 = time.time()
-        before = os.getloadavg()
-        try:
-            results[name] = run_layout(name, args)
-        except Exception as exc:  # a layout this installation cannot run: say so in the table
-            results[name] = str(exc).strip().splitlines()[-1][:300]
-        loads[name] = [round(before[0], 2), round(os.getloadavg()[0], 2)]
-        print(name, f"{time.time() - t0:.0f}s", results[name] if isinstance(results[name], str) else
-              [(r["call_peak_measured"] >> 20, r["activations_predicted"] >> 20) for r in results[name]], flush=True)
-        write(args, results, load0, os.getloadavg(), extrapolated=False)  # what has run so far
+    args.rounds_record = rounds = old.get("rounds", {}) if args.append and os.path.exists(path) else {}
+    names = args.layouts.split(",")
+    for _ in range(args.rounds):
+        for name in names:  # interleaved: every layout once per round, in fresh processes
+            t0 = time.time()
+            before = os.getloadavg()
+            try:
+                rows = run_layout(name, args)
+            except Exception as exc:  # a layout this installation cannot run: say so in the table
+                rows = str(exc).strip().splitlines()[-1][:300]
+            after = os.getloadavg()
+            if name not in results or isinstance(results[name], str):
+                results[name] = rows  # memory columns: the first round that ran
+                loads[name] = [round(before[0], 2), round(after[0], 2)]
+            if not isinstance(rows, str):
+                rounds.setdefault(name, []).append(
+                    {"call_s": statistics.median(r["call_s"] for r in rows),
+                     "peak_over_baseline": max(r["peak_over_baseline"] for r in rows),
+                     "load": [round(before[0], 2), round(after[0], 2)],
+                     "round": len(rounds.get(name, []))})  # the k-th run of each layout: round k
+            print(name, f"{time.time() - t0:.0f}s", rows if isinstance(rows, str) else
+                  [(r["call_peak_measured"] >> 20, r["activations_predicted"] >> 20, round(r["call_s"], 2))
+                   for r in rows], flush=True)
+            write(args, results, load0, os.getloadavg(), extrapolated=False)  # what has run so far
     write(args, results, load0, os.getloadavg())
+
+
+def _call_cell(rows, rounds, by_round) -> str:
+    """'call s | time / replicated | rounds' cells: medians over the interleaved rounds when recorded."""
+    if not rounds:
+        return f"{statistics.median(r['call_s'] for r in rows):.2f} | | 1"
+    times = [r["call_s"] for r in rounds]
+    cell = f"{statistics.median(times):.2f}" + (f" ({min(times):.2f}-{max(times):.2f})" if len(times) > 1 else "")
+    ratios = [r["call_s"] / by_round[r["round"]] for r in rounds if r["round"] in by_round]
+    return f"{cell} | {statistics.median(ratios):.2f}x | {len(times)}" if ratios else f"{cell} | | {len(times)}"
 
 
 def write(args, results, load0, load1, extrapolated=True, date=None, lscpu=None) -> None:
@@ -278,7 +311,7 @@ def write(args, results, load0, load1, extrapolated=True, date=None, lscpu=None)
               "date": date or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "threads_per_rank": 1, "dtype": "bfloat16", "blocks": args.blocks, "shape": args.shape,
               "dims": DIMS, "load_before": load0, "load_after": load1, "loads": getattr(args, "loads", {}),
-              "results": results}
+              "rounds": getattr(args, "rounds_record", {}), "results": results}
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, f"{args.out}.json"), "w") as fh:
         json.dump(record, fh, indent=1)
@@ -293,11 +326,13 @@ def write(args, results, load0, load1, extrapolated=True, date=None, lscpu=None)
              "after (a shared machine: the times are indicative). MiB per rank (rank 0; the max over ranks in "
              "brackets when they differ by more than 1 MiB).\n",
              "| layout | ranks | at rest measured | at rest predicted | call peak measured | gather + activations "
-             "predicted | peak over baseline | peak predicted | peak error | call s | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "predicted | peak over baseline | peak predicted | peak error | call s | time / replicated | rounds | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rounds = record["rounds"]
+    by_round = {r["round"]: r["call_s"] for r in rounds.get("replicated", [])}
     for name, rows in results.items():
         if isinstance(rows, str):
-            lines.append(f"| {name} | {LAYOUTS[name][0]} | not run: {rows} | | | | | | | | |")
+            lines.append(f"| {name} | {LAYOUTS[name][0]} | not run: {rows} | | | | | | | | | | |")
             continue
         r0 = rows[0]
 
@@ -311,7 +346,7 @@ def write(args, results, load0, load1, extrapolated=True, date=None, lscpu=None)
         lines.append(f"| {name} | {len(rows)} | {cell('weights_measured')} | {mib(r0['weights_predicted'] + host)} | "
                      f"{cell('call_peak_measured')} | {mib(r0.get('gather_predicted', 0) + r0['activations_predicted'])} "
                      f"| {cell('peak_over_baseline')} | {mib(peak_pred)} | {err:+.1%} | "
-                     f"{statistics.median(r['call_s'] for r in rows):.2f} | "
+                     f"{_call_cell(rows, rounds.get(name), by_round)} | "
                      f"{'-'.join(str(x) for x in record['loads'].get(name, []))} |")
     lines.append("\nat rest measured: resident-set growth from building the model and applying the layout (it includes "
                  "the libraries the process loads after its baseline: diffusers, lite_boost, the operator library); at "
@@ -321,7 +356,9 @@ def write(args, results, load0, load1, extrapolated=True, date=None, lscpu=None)
                  "model (weights, the call, and what the warm-up call leaves: RoPE tables, kernel and collective "
                  "buffers); peak predicted: the planner's device total + HOST_LIBRARIES_BYTES; peak error: (predicted - "
                  "measured) / measured, the worst rank; call s: the median "
-                 "over ranks of each rank's median call; load: the 1-minute load average before and after the layout "
+                 "over ranks of each rank's median call (with --rounds: the median over the interleaved rounds, their "
+                 "range in brackets); time / replicated: the median over rounds of this layout's time divided by the "
+                 "replicated run's time in the same round; rounds: how many interleaved runs; load: the 1-minute load average before and after the layout "
                  "ran (2 cores shared with other work: the times are noisy, the memory is not).")
     if extrapolated:
         lines += extrapolate()

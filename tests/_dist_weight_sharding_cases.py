@@ -571,6 +571,11 @@ def _video_family(name, heads=4):
 
         spec = TinyCogSpec(heads=heads)
         return (lambda: tiny_transformer(spec), [transformer_inputs(spec)], ("transformer_blocks.1.attn1",))
+    if name == "minimax_h3":  # one packed sequence (text, condition, audio, video rows); SwiGLU feed-forward
+        import _tiny_minimax_h3 as mm
+
+        spec = mm.TinyMiniMaxSpec(heads=heads)
+        return (lambda: mm.transformer(spec), [mm.transformer_inputs(spec)], ("transformer_blocks.1.attn",))
     raise KeyError(name)
 
 
@@ -592,8 +597,13 @@ def video_transformer_tp(mesh, family, parallel=None):
            "local_bytes": local_parameter_bytes(model)}
     out["dtensor_local"], out["dtensor_total"] = _dtensor_bytes(model)
     with torch.no_grad():
-        refs = [ref_model(**kw).sample for kw in inputs]
-        out["diffs"] = [_diff(model(**kw).sample, r) for kw, r in zip(inputs, refs)]
+        refs = [ref_model(**kw) for kw in inputs]
+        gots = [model(**kw) for kw in inputs]
+        # MiniMax-H3's audio output too
+        out["diffs"] = [_diff(g[k], r[k]) for g, r in zip(gots, refs) for k in ("sample", "audio_sample")
+                        if getattr(r, k, None) is not None]
+        out["outputs"] = sum(getattr(refs[0], k, None) is not None for k in ("sample", "audio_sample"))
+        refs = [r.sample for r in refs]
     lite_boost.unboost(model)
     out["heads_after"] = [model.get_submodule(a).heads for a in attns]
     out["weights_back"] = all(type(p) is torch.nn.Parameter and torch.equal(p, full[n])
@@ -623,7 +633,7 @@ CASES = {
                         lambda mesh: qwen_pipeline(mesh, {"cfg_degree": 2, "fsdp_degree": 2})),
     # video families whose record carries the plan (a world-2 spawn of their own: test_tensor_parallel_video_families)
     **{f"{f}_tp2": ({"tp_degree": 2}, lambda mesh, f=f: video_transformer_tp(mesh, f))
-       for f in ("hunyuan", "hunyuan15", "ltx", "cogvideox")},
+       for f in ("hunyuan", "hunyuan15", "ltx", "cogvideox", "minimax_h3")},
     # world 4: tp 2 x fsdp 2 (Ulysses 2): FSDP's removal gathers the packed single-block proj_out first
     "hunyuan_tp2_fsdp2": ({"tp_degree": 2, "fsdp_degree": 2}, lambda mesh: video_transformer_tp(
         mesh, "hunyuan", {"tp_degree": 2, "fsdp_degree": 2})),

@@ -26,7 +26,7 @@ CASES_2 = ["wan_i2v_fsdp2_ulysses2", "wan_i2v_tp2", "wan22_cfg2_fsdp2_fbc_sparse
            "flux_tp2"]
 CASES_OFFLOAD = ["wan_i2v_fsdp2_offload", "wan_fsdp2_offload_pipeline"]
 CASES_4 = ["wan_i2v_tp2_ulysses2", "wan_cfg2_ulysses2_fsdp2"]
-VIDEO_TP = ["hunyuan_tp2", "hunyuan15_tp2", "ltx_tp2", "cogvideox_tp2"]  # video families' own plans
+VIDEO_TP = ["hunyuan_tp2", "hunyuan15_tp2", "ltx_tp2", "cogvideox_tp2", "minimax_h3_tp2"]  # video families' own plans
 CASES_QUANT = ["wan_fsdp2_quant", "wan_tp2_quant"]  # quantized weights
 SPAWNS = {2: (2, CASES_2), 4: (4, CASES_4), "tp_fsdp": (4, ["wan_i2v_tp2_fsdp2", "wan_cfg2_tp2_fsdp2"]),
           "offload": (2, CASES_OFFLOAD), "video_tp": (2, VIDEO_TP),
@@ -177,6 +177,7 @@ def test_tensor_parallel_video_families(name):
     for r in results:
         assert r["ref_abs"] > 0.1 and max(r["diffs"]) <= TOL and r["unsharded_diff"] <= TOL, r
         assert set(r["heads"]) == {2} and set(r["heads_after"]) == {4} and r["weights_back"], r
+        assert r["outputs"] == (2 if name == "minimax_h3_tp2" else 1), r  # video (and audio) compared
         # the rank holds its half of the split layers, everything else whole
         assert r["local_bytes"] == r["full_bytes"] - r["dtensor_total"] + r["dtensor_local"] < r["full_bytes"], r
     _halves([(r["dtensor_local"], r["dtensor_total"]) for r in results])
@@ -323,7 +324,8 @@ def test_bad_degrees_for_the_model_fail_before_any_collective(parallel, world, m
 @pytest.mark.parametrize("family, first", [("hunyuan", "transformer_blocks.0.attn"),
                                            ("hunyuan15", "transformer_blocks.0.attn"),
                                            ("ltx", "transformer_blocks.0.attn1"),
-                                           ("cogvideox", "transformer_blocks.0.attn1")])
+                                           ("cogvideox", "transformer_blocks.0.attn1"),
+                                           ("minimax_h3", "transformer_blocks.0.attn")])
 def test_video_family_heads_not_divisible_refused(family, first, monkeypatch):
     from lite_boost.parallel import ParallelManager
 

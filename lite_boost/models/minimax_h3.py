@@ -24,21 +24,27 @@ What varies for this family, as data (:data:`MINIMAX_H3`) plus one processor shi
   sparse kernel keeps dense in both directions.
 * CFG: the checkpoint is guidance-distilled; its modular pipeline (``MiniMaxH3ModularPipeline``, transformers
   ``transformer`` and ``transformer_ref``) makes one transformer call per step, without ``cache_context``.
+* tensor parallelism (:data:`MINIMAX_H3_TP_PLAN`): the heads of every block's attention and the SwiGLU
+  feed-forward; its input projection ``ff.net.0.proj`` holds [hidden, gate] stacked on its output rows, which
+  ``chunk(2)`` takes apart, so each half is split over the ranks on its own (:class:`GluColwise`). q / k norms
+  and RoPE are per head; the token refiner, the modulation tables and the output heads stay whole.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..adapter import AttentionSite, LiteBoostProcessor, ModelFamily, RopeSource
 from ..adapter.shims import SEA_CACHE_WHY_NOT, CachedRope, call_arg, tensor_keys
 from ..cache import CacheAdapter
 from ..ops.rope import RotaryEmbedding, phasors_from_complex, rotate
 from ..parallel.plan import CfgPlan, GatherOutput, PipelinePlan, ShardingPlan, SplitInput, SplitOutput
+from ..parallel.shard import TensorParallelPlan
 from ..registry import register_family
 
 __all__ = ["MINIMAX_H3", "MiniMaxH3Processor", "CachedMiniMaxRope", "MINIMAX_H3_SHARDING_PLAN",
-           "MINIMAX_H3_PIPELINE_PLAN", "MINIMAX_H3_CACHE_ADAPTER", "packed_video_grid",
+           "MINIMAX_H3_PIPELINE_PLAN", "MINIMAX_H3_CACHE_ADAPTER", "MINIMAX_H3_TP_PLAN", "GluColwise", "packed_video_grid",
            "boost_minimax_h3_transformer", "boost_minimax_h3_pipeline"]
 
 
@@ -199,6 +205,31 @@ MINIMAX_H3_CACHE_ADAPTER = CacheAdapter(
                                                   "diffusers' cache hooks need (stock diffusers fails there too)"},
 )
 
+class GluColwise(ParallelStyle):
+    """Column-wise split of a gated (SwiGLU) projection whose output rows are [hidden, gate], taken apart by
+    ``chunk(2, dim=-1)``: each half is split over the tp ranks on its own, so a rank's output is [its hidden
+    columns, its gate columns] and its ``chunk(2)`` pairs them as in one process. diffusers'
+    ``PackedColwiseParallel`` with two equal blocks, stored on the layer as ``_tp_packed_col_blocks``."""
+
+    def _apply(self, module, device_mesh):
+        from diffusers.hooks.tensor_parallel import PackedColwiseParallel, _styles
+
+        module._tp_packed_col_blocks = [module.out_features // 2, module.out_features // 2]
+        style = _styles({"proj": PackedColwiseParallel()})["proj"]
+        style.src_data_rank = self.src_data_rank
+        return style._apply(module, device_mesh)
+
+    def __repr__(self) -> str:
+        return "GluColwise()"
+
+
+MINIMAX_H3_TP_PLAN = TensorParallelPlan(layers={
+    **{f"transformer_blocks.*.attn.{p}": "colwise" for p in ("to_q", "to_k", "to_v")},
+    "transformer_blocks.*.attn.to_out.0": "rowwise",
+    "transformer_blocks.*.ff.net.0.proj": GluColwise(),
+    "transformer_blocks.*.ff.net.2": "rowwise",
+})
+
 MINIMAX_H3 = register_family(ModelFamily(
     name="minimax-h3",
     transformers=("MiniMaxH3Transformer3DModel",),
@@ -211,6 +242,7 @@ MINIMAX_H3 = register_family(ModelFamily(
     timestep_module="time_proj",
     sharding=MINIMAX_H3_SHARDING_PLAN,
     pipeline=MINIMAX_H3_PIPELINE_PLAN,
+    tensor_parallel=MINIMAX_H3_TP_PLAN,
     cache=MINIMAX_H3_CACHE_ADAPTER,
     quant_patterns=("transformer_blocks.*", "token_refiner.refiner_blocks.*"),
     unsupported={"cfg_parallel": "the checkpoint is guidance-distilled: one transformer call per step, no CFG to split",

@@ -614,6 +614,23 @@ def video_transformer_tp(mesh, family, parallel=None):
     return out
 
 
+def ltx_pipeline_tp(mesh, kind="i2v"):
+    """LTX-Video pipeline (batched CFG B = 2, padded text, I2V per-token timesteps) under tp 2: parity of the
+    latents against the boosted one-process pipeline, the transformer's split layers halved."""
+    import lite_boost
+    from lite_boost.parallel import ParallelManager
+
+    from _tiny_ltx import TinyLTXSpec, call_kwargs, tiny_ltx_pipeline
+
+    spec = TinyLTXSpec(heads=4)
+    ref = lite_boost.boost(tiny_ltx_pipeline(kind, spec=spec))(**call_kwargs(kind)).frames
+    pipe = tiny_ltx_pipeline(kind, spec=spec)
+    ParallelManager(pipe, {"parallel": {"tp_degree": 2, "timeout_s": TIMEOUT_S}}, mesh=mesh)
+    got = pipe(**call_kwargs(kind)).frames
+    return {"diff": _diff(got, ref), "ref_abs": ref.abs().max().item(), "dtensor": _dtensor_bytes(pipe.transformer),
+            "heads": pipe.transformer.transformer_blocks[0].attn1.heads}
+
+
 CASES = {
     "wan_i2v_fsdp2_offload": ({"fsdp_degree": 2}, lambda mesh: wan_transformer_fsdp_offload(mesh)),
     "wan_fsdp2_offload_pipeline": ({"fsdp_degree": 2}, lambda mesh: wan_pipeline_fsdp_offload(mesh)),
@@ -634,6 +651,7 @@ CASES = {
     # video families whose record carries the plan (a world-2 spawn of their own: test_tensor_parallel_video_families)
     **{f"{f}_tp2": ({"tp_degree": 2}, lambda mesh, f=f: video_transformer_tp(mesh, f))
        for f in ("hunyuan", "hunyuan15", "ltx", "cogvideox", "minimax_h3")},
+    "ltx_i2v_pipeline_tp2": ({"tp_degree": 2}, lambda mesh: ltx_pipeline_tp(mesh)),
     # world 4: tp 2 x fsdp 2 (Ulysses 2): FSDP's removal gathers the packed single-block proj_out first
     "hunyuan_tp2_fsdp2": ({"tp_degree": 2, "fsdp_degree": 2}, lambda mesh: video_transformer_tp(
         mesh, "hunyuan", {"tp_degree": 2, "fsdp_degree": 2})),

@@ -29,7 +29,7 @@ CASES_4 = ["wan_i2v_tp2_ulysses2", "wan_cfg2_ulysses2_fsdp2"]
 VIDEO_TP = ["hunyuan_tp2", "hunyuan15_tp2", "ltx_tp2", "cogvideox_tp2", "minimax_h3_tp2"]  # video families' own plans
 CASES_QUANT = ["wan_fsdp2_quant", "wan_tp2_quant"]  # quantized weights
 SPAWNS = {2: (2, CASES_2), 4: (4, CASES_4), "tp_fsdp": (4, ["wan_i2v_tp2_fsdp2", "wan_cfg2_tp2_fsdp2"]),
-          "offload": (2, CASES_OFFLOAD), "video_tp": (2, VIDEO_TP),
+          "offload": (2, CASES_OFFLOAD), "video_tp": (2, VIDEO_TP + ["ltx_i2v_pipeline_tp2"]),
           "video_tp_fsdp": (4, ["hunyuan_tp2_fsdp2"]), "quant": (2, CASES_QUANT)}  # one spawn each
 _RESULTS = {}
 
@@ -181,6 +181,14 @@ def test_tensor_parallel_video_families(name):
         # the rank holds its half of the split layers, everything else whole
         assert r["local_bytes"] == r["full_bytes"] - r["dtensor_total"] + r["dtensor_local"] < r["full_bytes"], r
     _halves([(r["dtensor_local"], r["dtensor_total"]) for r in results])
+
+
+def test_tensor_parallel_ltx_pipeline():
+    """LTX-Video I2V pipeline (batched CFG, padded text, per-token timesteps) under tp 2 = one process."""
+    results = _each("video_tp", "ltx_i2v_pipeline_tp2")
+    for r in results:
+        assert r["ref_abs"] > 0.1 and r["diff"] <= TOL and r["heads"] == 2, r
+    _halves([r["dtensor"] for r in results])
 
 
 def test_tensor_parallel_x_fsdp_packed_layer_unparallelized_in_order():

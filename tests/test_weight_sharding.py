@@ -7,7 +7,9 @@ under cfg 2 x fsdp 2 (both experts and the text encoder sharded, with a step cac
 Ulysses 2 x fsdp 2, and
 Qwen-Image (joint attention, diffusers' ``_tp_plan``) under tp 2 and cfg 2 x fsdp 2, Flux.1 under tp 2
 (its packed single-block projection), and fsdp 2 x Ulysses 2 with ``offload`` (FSDP2's CPUOffloadPolicy: a Wan I2V
-transformer and a Wan T2V pipeline with its text encoder). Every rank's local
+transformer and a Wan T2V pipeline with its text encoder). The video families whose record carries a plan
+(HunyuanVideo, -1.5, LTX-Video, CogVideoX, MiniMax-H3) under tp 2 (HunyuanVideo also tp 2 x fsdp 2), unboost
+giving their weights back bit-equal, and the LTX-Video I2V pipeline under tp 2. Every rank's local
 parameter bytes are checked against the sharded modules' sizes.
 """
 

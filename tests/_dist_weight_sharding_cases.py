@@ -79,9 +79,9 @@ def _wan_spec(heads, i2v):
     return TinyWanSpec(heads=heads, layers=3)
 
 
-def wan_transformer_fsdp(mesh, *, heads=3, i2v=True, grid=(3, 3, 5)):
-    """Wan I2V transformer, fsdp 2 x Ulysses 2: parity over two steps, local bytes, prefetch, compiled run,
-    and unparallelize (full weights back, plain tensors, the same output)."""
+def wan_transformer_fsdp(mesh, *, heads=3, i2v=True, grid=(3, 3, 5), parallel=None):
+    """Wan I2V transformer, fsdp 2 x Ulysses 2 (or ``parallel``: fsdp 2 x Ring 2): parity over two steps, local
+    bytes, prefetch, compiled run, and unparallelize (full weights back, plain tensors, the same output)."""
     import lite_boost
     from lite_boost.demo import tiny_wan_transformer
     from lite_boost.parallel import ParallelManager, unparallelize
@@ -92,7 +92,7 @@ def wan_transformer_fsdp(mesh, *, heads=3, i2v=True, grid=(3, 3, 5)):
     ref_model = lite_boost.boost(tiny_wan_transformer(spec))
     model = tiny_wan_transformer(spec)
     full_bytes = _bytes(model)
-    ParallelManager(model, {"parallel": {"fsdp_degree": 2, "timeout_s": TIMEOUT_S}}, mesh=mesh)
+    ParallelManager(model, {"parallel": {**(parallel or {"fsdp_degree": 2}), "timeout_s": TIMEOUT_S}}, mesh=mesh)
     blocks = list(model.blocks)
     seen = []  # block i+1's all-gather already issued when block i starts computing (prefetch)
 
@@ -636,6 +636,8 @@ CASES = {
     "wan_fsdp2_offload_pipeline": ({"fsdp_degree": 2}, lambda mesh: wan_pipeline_fsdp_offload(mesh)),
     # world 2
     "wan_i2v_fsdp2_ulysses2": ({"fsdp_degree": 2}, lambda mesh: wan_transformer_fsdp(mesh)),
+    "wan_i2v_fsdp2_ring2": ({"fsdp_degree": 2, "ring_degree": 2}, lambda mesh: wan_transformer_fsdp(
+        mesh, parallel={"fsdp_degree": 2, "ring_degree": 2})),
     "wan_i2v_tp2": ({"tp_degree": 2}, lambda mesh: wan_transformer_tp(mesh)),
     "wan_fsdp2_quant": ({"fsdp_degree": 2}, lambda mesh: wan_transformer_fsdp_quant(mesh)),
     "wan_tp2_quant": ({"tp_degree": 2}, lambda mesh: wan_transformer_tp_quant(mesh)),

@@ -24,7 +24,7 @@ from lite_boost.config import BoostConfig, ConfigError, ParallelConfig, parallel
 from lite_boost.parallel.groups import _mesh_ranks
 
 TOL = 1e-5
-CASES_2 = ["wan_i2v_fsdp2_ulysses2", "wan_i2v_tp2", "wan22_cfg2_fsdp2_fbc_sparse", "qwen_tp2", "qwen_cfg2_fsdp2",
+CASES_2 = ["wan_i2v_fsdp2_ulysses2", "wan_i2v_fsdp2_ring2", "wan_i2v_tp2", "wan22_cfg2_fsdp2_fbc_sparse", "qwen_tp2", "qwen_cfg2_fsdp2",
            "flux_tp2"]
 CASES_OFFLOAD = ["wan_i2v_fsdp2_offload", "wan_fsdp2_offload_pipeline"]
 CASES_4 = ["wan_i2v_tp2_ulysses2", "wan_cfg2_ulysses2_fsdp2"]
@@ -56,9 +56,11 @@ def _halves(local_total_per_rank):
         assert 0.4 * total <= local <= 0.6 * total, local_total_per_rank
 
 
-def test_fsdp_wan_transformer_parity_prefetch_compile_unshard():
-    results = _each(2, "wan_i2v_fsdp2_ulysses2")
+@pytest.mark.parametrize("case", ["wan_i2v_fsdp2_ulysses2", "wan_i2v_fsdp2_ring2"])
+def test_fsdp_wan_transformer_parity_prefetch_compile_unshard(case):
+    results = _each(2, case)
     for r in results:
+        assert ("ring" in r["mesh"]) == case.endswith("ring2") and ", fsdp " in r["mesh"], r["mesh"]
         assert r["ref_abs"] > 0.1 and max(r["diffs"]) <= TOL, r
         assert r["compiled_diff"] <= TOL and r["unsharded_diff"] <= TOL, r
         # block i+1's gather was already issued when block i started (2 calls x 2 block pairs)

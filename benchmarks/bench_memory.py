@@ -58,6 +58,8 @@ LAYOUTS = {
     "fsdp4": (4, {"fsdp_degree": 4}, False),  # Ulysses 4 x FSDP 4
     "tp4": (4, {"tp_degree": 4}, False),
     "tp2_ulysses2": (4, {"tp_degree": 2}, False),
+    "fsdp2_offload": (2, {"fsdp_degree": 2}, True),  # Ulysses 2 x FSDP 2 with FSDP2's CPUOffloadPolicy
+    "tp2_ulysses2_fsdp2": (4, {"tp_degree": 2, "fsdp_degree": 2}, False),  # the 2-D (fsdp, tp) mesh
 }
 DIMS = dict(num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, text_dim=4096, freq_dim=256)
 
@@ -139,10 +141,14 @@ def predict(name: str, model, shape) -> dict:
     tokens = token_count(dims, *shape)
     tp = fields.get("tp_degree", 1)
     layout = Layout(tp=tp, ulysses=world // tp, fsdp=fields.get("fsdp_degree", 1), offload=offload)
-    est = estimate(dims, layout, tokens, backend="gloo")
+    host = estimate(dims, layout, tokens, backend="gloo").host_weights
+    # on the CPU the host is the device and offload moves nothing (an upload to the host is the same tensor): the
+    # resident set is the same layout's without offload; host_weights_predicted is what would wait in host memory
+    # on an accelerator
+    est = estimate(dims, Layout(tp=tp, ulysses=world // tp, fsdp=fields.get("fsdp_degree", 1)), tokens, backend="gloo")
     return {"tokens": tokens, "weights_predicted": est.weights, "gather_predicted": est.gather,
             "activations_predicted": est.activations, "total_predicted": est.total,
-            "host_libraries": HOST_LIBRARIES_BYTES}
+            "host_weights_predicted": host, "host_libraries": HOST_LIBRARIES_BYTES}
 
 
 def repredict(args) -> None:
@@ -222,13 +228,13 @@ def extrapolate() -> list[str]:
                      f"{shp[2]} ({tokens} tokens), {mem} per device, bf16; FSDP gather as assumed for NCCL / HCCL "
                      "(2 x (f - 1) / f blocks, not measured; gloo would hold 4 blocks)\n")
         lines.append("| layout | weights GiB | text enc GiB | FSDP gather GiB | activations GiB | total GiB | fits | "
-                     "moved per call GiB |")
-        lines.append("|---|---|---|---|---|---|---|---|")
+                     "moved per call GiB | host w. GiB |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
         for e in plan.rows:
             mark = " (recommended)" if e is plan.recommended else ""
             lines.append(f"| {e.layout.label()}{mark} | {e.weights / 2**30:.2f} | {e.text_encoder / 2**30:.2f} | "
                          f"{e.gather / 2**30:.2f} | {e.activations / 2**30:.2f} | {e.total / 2**30:.2f} | "
-                         f"{'yes' if e.fits else 'no'} | {e.traffic / 2**30:.2f} |")
+                         f"{'yes' if e.fits else 'no'} | {e.traffic / 2**30:.2f} | {e.host_weights / 2**30:.2f} |")
     return lines
 
 

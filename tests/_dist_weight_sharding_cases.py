@@ -79,6 +79,29 @@ def _wan_spec(heads, i2v):
     return TinyWanSpec(heads=heads, layers=3)
 
 
+def _two_steps_with_prefetch(model, ref_model, x, ctx, kw):
+    """Two calls (t = 900, 600) of an FSDP-sharded Wan ``model`` against ``ref_model``, recording at each block's
+    start whether the next block's all-gather was already issued (the prefetch): (steps, refs, diffs, seen)."""
+    blocks = list(model.blocks)
+    seen = []
+
+    def probe(i):
+        def hook(module, args):
+            seen.append(blocks[i + 1]._get_fsdp_state()._fsdp_param_group._all_gather_result is not None)
+        return hook
+
+    handles = [blocks[i].register_forward_pre_hook(probe(i)) for i in range(len(blocks) - 1)]
+    steps = (torch.tensor([900.0]), torch.tensor([600.0]))
+    try:
+        with torch.no_grad():
+            refs = [ref_model(x, t, ctx, **kw).sample for t in steps]
+            diffs = [_diff(model(x, t, ctx, **kw).sample, r) for t, r in zip(steps, refs)]
+    finally:
+        for h in handles:
+            h.remove()
+    return steps, refs, diffs, seen
+
+
 def wan_transformer_fsdp(mesh, *, heads=3, i2v=True, grid=(3, 3, 5), parallel=None):
     """Wan I2V transformer, fsdp 2 x Ulysses 2 (or ``parallel``: fsdp 2 x Ring 2): parity over two steps, local
     bytes, prefetch, compiled run, and unparallelize (full weights back, plain tensors, the same output)."""
@@ -93,25 +116,10 @@ def wan_transformer_fsdp(mesh, *, heads=3, i2v=True, grid=(3, 3, 5), parallel=No
     model = tiny_wan_transformer(spec)
     full_bytes = _bytes(model)
     ParallelManager(model, {"parallel": {**(parallel or {"fsdp_degree": 2}), "timeout_s": TIMEOUT_S}}, mesh=mesh)
-    blocks = list(model.blocks)
-    seen = []  # block i+1's all-gather already issued when block i starts computing (prefetch)
-
-    def probe(i):
-        def hook(module, args):
-            group = blocks[i + 1]._get_fsdp_state()._fsdp_param_group
-            seen.append(group._all_gather_result is not None)
-        return hook
-
-    handles = [blocks[i].register_forward_pre_hook(probe(i)) for i in range(len(blocks) - 1)]
     out = {"full_bytes": full_bytes, "local_bytes": local_parameter_bytes(model)}
     out["dtensor_local"], out["dtensor_total"] = _dtensor_bytes(model)
-    steps = (torch.tensor([900.0]), torch.tensor([600.0]))
+    steps, refs, out["diffs"], out["prefetch_seen"] = _two_steps_with_prefetch(model, ref_model, x, ctx, kw)
     with torch.no_grad():
-        refs = [ref_model(x, t, ctx, **kw).sample for t in steps]
-        out["diffs"] = [_diff(model(x, t, ctx, **kw).sample, r) for t, r in zip(steps, refs)]
-        for h in handles:
-            h.remove()
-        out["prefetch_seen"] = list(seen)
         # compiled: diffusers' regional compilation still finds the (FSDP-wrapped) blocks
         torch._dynamo.reset()
         model.compile_repeated_blocks(fullgraph=True, backend="eager")
@@ -272,22 +280,7 @@ def wan_transformer_tp_fsdp(mesh, *, heads=4, grid=(3, 3, 5)):
     out["split"], out["rest"] = split, rest
     out["linear_full"] = sum(v.numel() * v.element_size() for k, v in original.items()
                              if k.rsplit(".", 1)[0] in linears and k.endswith(".weight"))
-    blocks = list(model.blocks)
-    seen = []
-
-    def probe(i):
-        def hook(module, args):
-            seen.append(blocks[i + 1]._get_fsdp_state()._fsdp_param_group._all_gather_result is not None)
-        return hook
-
-    handles = [blocks[i].register_forward_pre_hook(probe(i)) for i in range(len(blocks) - 1)]
-    steps = (torch.tensor([900.0]), torch.tensor([600.0]))
-    with torch.no_grad():
-        refs = [ref_model(x, t, ctx, **kw).sample for t in steps]
-        out["diffs"] = [_diff(model(x, t, ctx, **kw).sample, r) for t, r in zip(steps, refs)]
-    for h in handles:
-        h.remove()
-    out["prefetch_seen"] = list(seen)
+    steps, refs, out["diffs"], out["prefetch_seen"] = _two_steps_with_prefetch(model, ref_model, x, ctx, kw)
     unparallelize(model)
     state = model.state_dict()
     out["state_keys_equal"] = sorted(state) == sorted(original)
@@ -482,22 +475,8 @@ def wan_transformer_fsdp_offload(mesh, *, heads=3, grid=(3, 3, 5)):
     out["block_hooks"] = sum(hasattr(b, "_diffusers_hook") and b._diffusers_hook.get_hook("group_offloading") is not None
                              for b in model.blocks)
     counts, n_params = _count_offloaded_gathers(model)
-    blocks = list(model.blocks)
-    seen = []
-
-    def probe(i):
-        def hook(module, args):
-            seen.append(blocks[i + 1]._get_fsdp_state()._fsdp_param_group._all_gather_result is not None)
-        return hook
-
-    handles = [blocks[i].register_forward_pre_hook(probe(i)) for i in range(len(blocks) - 1)]
-    steps = (torch.tensor([900.0]), torch.tensor([600.0]))
-    with torch.no_grad():
-        refs = [ref_model(x, t, ctx, **kw).sample for t in steps]
-        out["diffs"] = [_diff(model(x, t, ctx, **kw).sample, r) for t, r in zip(steps, refs)]
-    for h in handles:
-        h.remove()
-    out["prefetch_seen"], out["gathers"], out["fsdp_params"] = list(seen), dict(counts), n_params
+    steps, refs, out["diffs"], out["prefetch_seen"] = _two_steps_with_prefetch(model, ref_model, x, ctx, kw)
+    out["gathers"], out["fsdp_params"] = dict(counts), n_params
     unparallelize(model)
     rec = offload_record(model)
     out["unsharded_plain"] = all(type(p) is torch.nn.Parameter for p in model.parameters())

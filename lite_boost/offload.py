@@ -326,8 +326,8 @@ def offload_summary(target) -> str:
         record = offload_record(module)
         if record is not None:
             parts.append(f"{name or type(module).__name__} ({record.blocks} block groups, {record.onloads} uploads)")
-        elif fsdp_cpu_offload_units(module):
-            fsdp.append(f"{name or type(module).__name__} ({fsdp_cpu_offload_units(module)} FSDP units)")
+        elif units := fsdp_cpu_offload_units(module):
+            fsdp.append(f"{name or type(module).__name__} ({units} FSDP units)")
     if fsdp:
         parts_text = f"; {', '.join(parts)} offloaded block by block" if parts else ""
         return ("offload: FSDP2 CPUOffloadPolicy, shards in host memory, each unit's shards copied to "

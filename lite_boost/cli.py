@@ -552,15 +552,20 @@ def _tiny_kind(family, args) -> str:
     return image if args.image else text
 
 
-def _pipeline_parameters(class_name: str) -> set[str] | None:
-    """The argument names of a diffusers pipeline class's ``__call__`` (None when the class cannot be imported)."""
+def _pipeline_signature(class_name: str) -> inspect.Signature | None:
+    """The signature of a diffusers pipeline class's ``__call__`` (None when the class cannot be imported)."""
     try:
         import diffusers
 
-        cls = getattr(diffusers, class_name)
-        return set(inspect.signature(cls.__call__).parameters)
+        return inspect.signature(getattr(diffusers, class_name).__call__)
     except Exception:  # noqa: BLE001 - unknown to this diffusers: the pipeline itself will say what it takes
         return None
+
+
+def _pipeline_parameters(class_name: str) -> set[str] | None:
+    """The argument names of a diffusers pipeline class's ``__call__`` (None when the class cannot be imported)."""
+    sig = _pipeline_signature(class_name)
+    return set(sig.parameters) if sig is not None else None
 
 
 # call arguments that have an option of their own (or are set by the command): not for --input
@@ -571,14 +576,9 @@ _CLI_ARGUMENTS = {"prompt": "--prompt", "negative_prompt": "--negative-prompt", 
 
 def _required_parameters(class_name: str) -> list[str]:
     """The arguments a diffusers pipeline class's ``__call__`` takes without a default (none when unknown)."""
-    try:
-        import diffusers
-
-        sig = inspect.signature(getattr(diffusers, class_name).__call__)
-    except Exception:  # noqa: BLE001 - unknown to this diffusers: the pipeline itself will say what it takes
-        return []
-    return [n for n, p in sig.parameters.items() if n != "self" and p.default is inspect.Parameter.empty
-            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    sig = _pipeline_signature(class_name)
+    return [n for n, p in (sig.parameters.items() if sig is not None else ()) if n != "self"
+            and p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def read_input(path: str | os.PathLike):

@@ -295,16 +295,18 @@ def plan_quant(model: nn.Module, config, default_include: Iterable[str] | None =
 
 
 def _warn_slow_int8(model_name: str) -> None:
-    """int8_dynamic on a CPU without int8 dot products: correct, but PyTorch's int8 matmul (``torch._int_mm``) has no
-    fast kernel there (measured on an AVX2-only AMD EPYC: about 180x slower than the fp32 matmul it replaces)."""
+    """int8_dynamic on a CPU without int8 dot products: correct, and its int8 products run as exact fp32 GEMMs
+    (:func:`exact_int8_cpu`) instead of ``torch._int_mm``'s generic loop, so it runs somewhat slower than fp32
+    (the quantization steps on top of an fp32 GEMM), not faster; the weights are 4x smaller."""
     from .errors import PerformanceWarning
     from .ops.precision import cpu_int8_dot_reason
 
     why = cpu_int8_dot_reason()
     if why is not None:
         warnings.warn(f"quant method 'int8_dynamic' on {model_name} will run slower than fp32 on this CPU: {why}, so "
-                      "PyTorch's int8 matmul takes a slow generic path; leave BoostConfig.quant unset here, or use "
-                      "'int8_weight_only' to save memory", PerformanceWarning, stacklevel=4)
+                      "its int8 products run as exact fp32 GEMMs (the same result as torchao's int8 matmul) with "
+                      "the activation quantization on top; it still saves 4x weight memory, as 'int8_weight_only' "
+                      "does", PerformanceWarning, stacklevel=4)
 
 
 def _adapter_internal(model: nn.Module) -> set[str]:
@@ -405,7 +407,7 @@ class QuantState:
     def _put_back(self, model: nn.Module, name: str, orig: _Original) -> None:
         mod = _layer(model, name)
         mod.weight = self._restored_weight(mod, orig)
-        mod.__dict__.pop("forward", None)  # the W8A8 instance forward
+        mod.__dict__.pop("forward", None)  # the W8A8 / CPU int8-dynamic instance forward
         if "weight_scale" in mod._buffers:
             del mod._buffers["weight_scale"]
         if "extra_repr" in mod.__dict__:
@@ -465,6 +467,34 @@ def _quantize_w8a8(model: nn.Module, names: tuple[str, ...]) -> None:
         mod.forward = functools.partial(_w8a8_forward, mod, npu)
 
 
+def exact_int8_cpu(device: torch.device | str) -> bool:
+    """Whether int8_dynamic Linear layers on ``device`` compute through :func:`lite_boost.ops.quant_int8.int8_linear`
+    (exact int8 products as fp32 GEMMs) instead of torchao's eager path: a CPU without int8 dot products, where
+    ``torch._int_mm`` has no fast kernel."""
+    from .ops.quant_int8 import int8_mm_path
+
+    return torch.device(device).type == "cpu" and int8_mm_path("cpu") == "fp32"
+
+
+def _int8_dynamic_forward(module: nn.Linear, spec, x: torch.Tensor) -> torch.Tensor:
+    from .ops.quant_int8 import int8_linear
+
+    w = module.weight
+    return int8_linear(x, w.qdata, w.scale, w.zero_point, module.bias, spec)
+
+
+def _route_int8_dynamic(mods: Mapping[str, nn.Linear]) -> None:
+    """Instance ``forward`` of each int8-dynamic Linear: the same arithmetic as torchao's ``Int8Tensor`` Linear (bit
+    for bit), its int8 products as exact fp32 GEMMs; the weight stays torchao's tensor (state_dict, saving, LoRA
+    and weight sharding see no difference). ``_put_back`` drops the instance forward again."""
+    from .ops.quant_int8 import int8_spec
+
+    for mod in mods.values():
+        spec = int8_spec(mod.weight)
+        if spec is not None and spec.dynamic and spec.mapping == "SYMMETRIC":
+            mod.forward = functools.partial(_int8_dynamic_forward, mod, spec)
+
+
 def _save_pretrained(model, state: QuantState, *args, **kwargs):
     """Instance ``save_pretrained`` of a quantized model: writes the original full-precision weights."""
     with state.original_weights(model):
@@ -491,6 +521,8 @@ def quantize_model(model: nn.Module, config, plan: QuantPlan) -> QuantState:
         missed = [n for n, mod in mods.items() if mod.weight is originals[n].weight]
         if missed:
             raise RuntimeError(f"quantization left {len(missed)} selected layers unchanged, e.g. {missed[:3]}")
+        if plan.method == "int8_dynamic" and exact_int8_cpu(plan.device):
+            _route_int8_dynamic(mods)
     except BaseException:
         for n, orig in originals.items():  # nothing half-quantized is left behind
             if mods[n].weight is not orig.weight:

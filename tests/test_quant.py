@@ -154,8 +154,9 @@ def test_device_and_dtype_rules(monkeypatch):
 
 @pytest.mark.parametrize("flags", [frozenset({"avx2"}), frozenset({"avx2", "avx512_vnni"}), frozenset({"amx_int8"})])
 def test_int8_dynamic_on_a_cpu_without_int8_dot_products_warns(monkeypatch, flags):
-    """int8_dynamic stays correct everywhere, but on a CPU without VNNI / AMX PyTorch's int8 matmul has no fast
-    kernel: planning says so (PerformanceWarning naming the method and what to use instead); with them, no warning."""
+    """int8_dynamic stays correct everywhere, but on a CPU without VNNI / AMX its int8 products run as fp32 GEMMs,
+    so it is no faster than fp32: planning says so (PerformanceWarning naming the method, the reason and the
+    memory-only alternative); with them, no warning."""
     from lite_boost.errors import PerformanceWarning
     from lite_boost.ops import precision
 
@@ -171,6 +172,81 @@ def test_int8_dynamic_on_a_cpu_without_int8_dot_products_warns(monkeypatch, flag
         assert len(slow) == 1
         msg = str(slow[0].message)
         assert "'int8_dynamic'" in msg and "no int8 dot-product instructions" in msg and "int8_weight_only" in msg
+
+
+@pytest.mark.parametrize("path", ["fp32", "u8s8", "int_mm"])
+def test_exact_int8_mm_equals_the_integer_sums(path):
+    """Every path of exact_int8_mm gives the exact int32 sums, at the extremes of int8 and with input features
+    that are not a multiple of the fp32 path's slice; one unsliced fp32 GEMM would round where it does not."""
+    from lite_boost.ops.quant_int8 import EXACT_FP32_K, exact_int8_mm
+
+    g = torch.Generator().manual_seed(0)
+    for m, k, n in ((5, 2500, 7), (3, EXACT_FP32_K, 4), (1, 1, 1), (2, 0, 3)):
+        a = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8)
+        b = torch.randint(-128, 128, (k, n), generator=g, dtype=torch.int8)
+        got = exact_int8_mm(a, b, path)
+        assert got.dtype == torch.int32 and torch.equal(got.long(), a.long() @ b.long()), (m, k, n)
+    a = torch.full((2, 3000), -128, dtype=torch.int8)
+    assert (exact_int8_mm(a, a.t().contiguous(), path) == 3000 * 2**14).all()  # every product at its largest
+    # 2000 * 127 * 127 + 1 is odd and above 2**24: fp32 cannot hold it, the sliced sums are exact
+    a = torch.cat([torch.full((1, 2000), 127, dtype=torch.int8), torch.ones(1, 1, dtype=torch.int8)], 1)
+    want = 2000 * 127 * 127 + 1
+    assert int((a.float() @ a.t().float()).item()) != want
+    assert exact_int8_mm(a, a.t().contiguous(), path).item() == want
+    with pytest.raises(ValueError, match=r"path must be one of \['int_mm', 'u8s8', 'fp32'\], got 'x'"):
+        exact_int8_mm(a, a.t(), "x")
+    with pytest.raises(ValueError, match=r"needs int8 \(M, K\) @ \(K, N\), got torch.float32"):
+        exact_int8_mm(a.float(), a.t(), path)
+
+
+def _no_int_mm(*args, **kwargs):
+    raise AssertionError("torch._int_mm called on the exact fp32 path")
+
+
+@pytest.mark.parametrize("flags", [frozenset({"avx2"}), frozenset({"avx2", "avx512_vnni"})], ids=["avx2", "vnni"])
+def test_int8_dynamic_on_the_cpu_equals_torchao_layer_for_layer(monkeypatch, flags):
+    """On a CPU without int8 dot products the int8-dynamic layers compute through exact fp32 GEMMs, never
+    torch._int_mm's generic loop, and each layer's output equals torchao's own Int8Tensor Linear on the same
+    input bit for bit (fp32 and bf16); the model compiles with no graph break and unboost drops the instance
+    forwards. With VNNI torchao's own path runs (no instance forward)."""
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    from lite_boost.ops import precision
+
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: flags)
+    routed = "avx512_vnni" not in flags
+    for dtype in (torch.float32, torch.bfloat16):
+        stock = _model(dtype=dtype)
+        ref = copy.deepcopy(stock)
+        quantize_(ref, Int8DynamicActivationInt8WeightConfig(set_inductor_config=False),
+                  filter_fn=lambda m, fqn: fqn in set(_block_names()))
+        model = lite_boost.boost(copy.deepcopy(stock), {"quant": "int8_dynamic"})
+        layers = Q.quant_state(model).layers
+        assert sorted(layers) == sorted(_block_names())
+        assert all(("forward" in model.get_submodule(n).__dict__) == routed for n in layers)
+        seen = {}
+        handles = [model.get_submodule(n).register_forward_hook(
+            lambda m, i, o, n=n: seen.__setitem__(n, (i[0].detach().clone(), o.detach().clone()))) for n in layers]
+        args, _ = _inputs(dtype=dtype)
+        with monkeypatch.context() as mp:
+            if routed:
+                mp.setattr(torch, "_int_mm", _no_int_mm)
+            out = _run(model, args)
+        for h in handles:
+            h.remove()
+        assert set(seen) == set(layers) and out.dtype == dtype
+        with torch.no_grad():
+            for n, (x, y) in seen.items():
+                assert torch.equal(y, ref.get_submodule(n)(x)), (n, dtype)
+        if routed:
+            torch._dynamo.reset()
+            with torch.no_grad():
+                report = torch._dynamo.explain(model)(*args)
+            assert report.graph_break_count == 0 and report.graph_count == 1
+            torch._dynamo.reset()
+        lite_boost.unboost(model)
+        assert not any("forward" in m.__dict__ for m in model.modules())
+        assert torch.equal(_run(model, args), _run(stock, args))
 
 
 def test_torchao_missing_names_the_extra(monkeypatch):

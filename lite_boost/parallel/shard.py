@@ -362,6 +362,7 @@ class PackedWeight:
         # builds the tensor subclass (Dynamo cannot construct its activation settings); weight-only and
         # the others are put back together for each call
         self.spec = int8_spec(weight) if name == "weight" else None
+        self.prior_forward = module.__dict__.get("forward")  # a quantization's own instance forward, put back after
         if self.spec is not None and self.spec.dynamic:
             module.forward = self._int8_forward
             self.handles = []
@@ -393,6 +394,8 @@ class PackedWeight:
             h.remove()
         if module.__dict__.get("forward") == self._int8_forward:
             del module.__dict__["forward"]
+            if self.prior_forward is not None:
+                module.forward = self.prior_forward
         weight = self._assemble(module)
         for key in self.inner:
             module._parameters.pop(self._key(key), None)
@@ -640,6 +643,7 @@ class QuantizedTensorParallel:
             module.bias = torch.nn.Parameter(self._local(module.bias.detach(), True, True),
                                              requires_grad=self.bias_requires_grad)
         module.__dict__["weight"] = None
+        self.prior_forward = module.__dict__.get("forward")  # a quantization's own instance forward, put back after
         module.forward = self.forward
 
     def _key(self, key: str) -> str:
@@ -691,6 +695,8 @@ class QuantizedTensorParallel:
             m.bias = torch.nn.Parameter(comm.gather(m.bias.detach(), 0, op="tp_all_gather[unshard]"),
                                         requires_grad=self.bias_requires_grad)
         m.__dict__.pop("forward", None)
+        if self.prior_forward is not None:
+            m.forward = self.prior_forward
         m.__dict__.pop("weight", None)
         weight = self.cls.__tensor_unflatten__(inner, self.ctx, self.size, self.stride)
         m.register_parameter("weight", torch.nn.Parameter(weight, requires_grad=self.requires_grad))

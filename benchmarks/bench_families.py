@@ -75,6 +75,7 @@ from bench_sparse_common import environment, markdown_table, median, timed, writ
 import lite_boost
 from lite_boost.config import BoostConfig, QuantConfig, SparseConfig
 from lite_boost.quant import quant_state
+from lite_boost.ops.quant_int8 import int8_mm_path
 
 
 @dataclass
@@ -779,11 +780,13 @@ def run(case: Case, args) -> tuple[str, dict]:
         "",
         case.shape + ".",
         "",
-        "Variants (same weights, same process, interleaved, first repetition dropped): stock diffusers; boosted "
-        "(dense)" + ("" if args.no_sparse else f"; sparse {args.sparsity} (block-sparse self-attention, block "
-                                              f"{args.block_size})")
+        "Variants (same weights, same process, interleaved, first repetition dropped): stock diffusers"
+        + ("" if args.no_dense else "; boosted (dense)")
+        + ("" if args.no_sparse else f"; sparse {args.sparsity} (block-sparse self-attention, block "
+                                     f"{args.block_size})")
         + ("; int8 not run (`--no-int8`)." if args.no_int8 else
-           f"; int8 (`QuantConfig(\"int8_dynamic\")`, eager, {len(case.quantized)} Linear layers of the block(s))."),
+           f"; int8 (`QuantConfig(\"int8_dynamic\")`, eager, {len(case.quantized)} Linear layers of the block(s); "
+           f"int8 products: {int8_mm_path('cpu')} path)."),
         "",
         markdown_table(["part", "variant", "median s", "speed-up vs stock", "runs", "max abs diff (block out)",
                         "rel. L2 error (block out)"], rows),
@@ -794,6 +797,7 @@ def run(case: Case, args) -> tuple[str, dict]:
         "Intel Xeon stock fp32 is about 2x faster).",
     ])
     data = {"bench": args.bench, "size": args.size, "shape": case.shape, "cpu": machine, "times": times,
+            "int8_path": None if args.no_int8 else int8_mm_path("cpu"),
             "max_abs_diff": {k: v[0] for k, v in errors.items()},
             "rel_l2_error": {k: v[1] for k, v in errors.items()}, "quantized_layers": list(case.quantized),
             "effective_sparsity": effective, "load_before": load_before, "load_after": load_after,
@@ -825,6 +829,8 @@ def main(argv=None):
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--no-sparse", action="store_true")
     ap.add_argument("--no-int8", action="store_true")
+    ap.add_argument("--no-dense", action="store_true", help="do not time the dense boost's attention / block (e.g. "
+                                                            "an int8-only run: --no-dense --no-sparse)")
     ap.add_argument("--block-only", action="store_true", help="time the whole block (and RoPE) only, not the "
                                                               "attention modules separately (a shorter run)")
     ap.add_argument("--threads", type=int, default=2)
@@ -839,6 +845,9 @@ def main(argv=None):
     case = BENCHES[args.bench](args)
     if args.block_only:
         case.attention = {}
+    if args.no_dense:  # the dense boost not timed (its RoPE table timing stays: it is what the boost caches)
+        case.attention.pop("boosted", None)
+        case.block.pop("boosted", None)
     text, data = run(case, args)
     write(args.out or f"families_{args.bench}_{args.size}" + ("_quick" if args.quick else ""), text, data)
 

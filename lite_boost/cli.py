@@ -5,6 +5,8 @@
     lite-boost generate --family NAME         # another family's built-in tiny model (`lite-boost models`)
     lite-boost generate --model /path/to/a-diffusers-pipeline --height 480 --width 832 --num-frames 81
                                               # family read from its model_index.json
+    lite-boost generate --model /path/to/a-saved-modular-pipeline --steps 8
+                                              # modular_model_index.json: video (+ .wav soundtrack)
     lite-boost generate --nproc 2             # same under torchrun, Ulysses sequence parallel
     lite-boost env                            # versions, devices, usable attention backends
     lite-boost models                         # supported model families and the features of each
@@ -24,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["main", "build_parser", "write_video", "write_image", "models_report", "installed_classes_report", "detect_family",
+__all__ = ["main", "build_parser", "write_video", "write_image", "write_audio", "models_report", "installed_classes_report", "detect_family",
            "family_for_pipeline_class", "resolve_family", "check_family_options"]
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -38,8 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate a video or an image with a boosted pipeline and time it "
                                           "against stock")
     gen.add_argument("--model", default=None,
-                     help="diffusers pipeline folder; its family is read from model_index.json (default: the "
-                          "built-in tiny model of --family)")
+                     help="diffusers pipeline folder; its family is read from model_index.json, or from "
+                          "modular_model_index.json for a modular pipeline (saved with ModularPipeline."
+                          "save_pretrained; loaded with diffusers' modular loading, its steps whose components the "
+                          "folder lacks, a text encoder say, dropped: the family's random prompt embeddings are "
+                          "passed instead) (default: the built-in tiny model of --family)")
     gen.add_argument("--family", default=None,
                      help="model family (`lite-boost models` lists them; default: the --model's, else the family "
                           "of the built-in main job); without --model only families with a built-in tiny model run "
@@ -115,14 +120,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="warm-up latent frames per chunk with --vae-parallel chunked (default: the model's)")
     gen.add_argument("--no-compare", action="store_true", help="skip the stock diffusers run")
     gen.add_argument("--warmup", type=int, default=1,
-                     help="untimed one-step runs (latent output) before each timed run, to exclude one-time costs")
+                     help="untimed one-step runs (latent output; a modular pipeline: whole calls) before each timed "
+                          "run, to exclude one-time costs")
     gen.add_argument("--output", default=None,
                      help="video path (default outputs/lite_boost_<t2v|i2v>.mp4); image families write a PNG "
-                          "(default outputs/lite_boost_<t2i|i2i>.png)")
+                          "(default outputs/lite_boost_<t2i|i2i>.png); a pipeline that returns a soundtrack with its "
+                          "video (a modular pipeline's audio) also gets it as 16-bit PCM WAV next to the video "
+                          "(same name, .wav)")
     gen.add_argument("--overwrite", action="store_true",
                      help="replace an existing --output file (without it an existing --output is refused, and the "
                           "default name is numbered: lite_boost_t2v-1.mp4, -2, ...)")
-    gen.add_argument("--fps", type=int, default=16)
+    gen.add_argument("--fps", type=int, default=None,
+                     help="frame rate of the written video (default: the pipeline's own where it has one, a "
+                          "modular pipeline's fps; else 16)")
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     gen.add_argument("-v", "--verbose", action="store_true", help="log backend choices")
 
@@ -328,8 +338,31 @@ def write_image(image, path: str | os.PathLike) -> tuple[Path, str]:
         return out, "numpy .npy (no Pillow)"
 
 
+def write_audio(audio, sampling_rate: int, path: str | os.PathLike) -> Path:
+    """Write a soundtrack, (channels, samples) or (1, channels, samples) in [-1, 1] (a tensor or an array), as
+    16-bit PCM WAV (the stdlib ``wave`` module). Returns the path written."""
+    import wave
+
+    import numpy as np
+
+    arr = np.asarray(audio.detach().float().cpu() if hasattr(audio, "detach") else audio, dtype=np.float32)
+    while arr.ndim > 2:
+        arr = arr[0]
+    if arr.ndim == 1:
+        arr = arr[None]
+    pcm = (np.clip(arr, -1.0, 1.0) * 32767).round().astype("<i2").T  # (samples, channels): interleaved
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(arr.shape[0])
+        out.setsampwidth(2)
+        out.setframerate(int(sampling_rate))
+        out.writeframes(pcm.tobytes())
+    return path
+
+
 # what write_video / write_image may turn a path's suffix into (mp4 -> gif -> npy; png -> npy)
-_OUTPUT_SUFFIXES = (".mp4", ".gif", ".npy", ".png")
+_OUTPUT_SUFFIXES = (".mp4", ".gif", ".npy", ".png", ".wav")
 
 
 def _taken(path: Path) -> Path | None:
@@ -452,10 +485,25 @@ def family_for_pipeline_class(class_name: str):
     return None
 
 
+MODULAR_INDEX = "modular_model_index.json"
+
+
+def index_path(model_dir: str | os.PathLike) -> Path | None:
+    """The index of a diffusers pipeline folder: ``model_index.json``, else ``modular_model_index.json`` (a
+    modular pipeline saved with ``ModularPipeline.save_pretrained``), else None."""
+    return next((p for p in (Path(model_dir, "model_index.json"), Path(model_dir, MODULAR_INDEX)) if p.is_file()), None)
+
+
+def is_modular(model_dir: str | os.PathLike | None) -> bool:
+    """Whether ``model_dir`` is a saved modular pipeline (a ``modular_model_index.json`` and no ``model_index.json``)."""
+    return model_dir is not None and index_path(model_dir) == Path(model_dir, MODULAR_INDEX)
+
+
 def detect_family(model_dir: str | os.PathLike):
-    """(family, pipeline class name) of a diffusers pipeline folder, from its ``model_index.json``
-    ``_class_name``; SystemExit naming the supported pipeline classes for one lite_boost does not know."""
-    index = Path(model_dir, "model_index.json")
+    """(family, pipeline class name) of a diffusers pipeline folder, from the ``_class_name`` of its
+    ``model_index.json`` (or ``modular_model_index.json``); SystemExit naming the supported pipeline classes
+    for one lite_boost does not know."""
+    index = index_path(model_dir) or Path(model_dir, "model_index.json")
     try:
         data = json.loads(index.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -464,6 +512,10 @@ def detect_family(model_dir: str | os.PathLike):
     if not isinstance(name, str) or not name:
         raise SystemExit(f"lite-boost generate: --model {model_dir}: {index} names no pipeline class (_class_name)")
     family = family_for_pipeline_class(name)
+    if family is None and index.name == MODULAR_INDEX:
+        supported = [n for f in _registered_families().values() for n in f.pipelines if n.endswith("ModularPipeline")]
+        raise SystemExit(f"lite-boost generate: --model {model_dir} holds a modular {name}, which lite_boost does "
+                         f"not support; supported modular pipeline classes: {supported}")
     if family is None:
         family = _generic_pipeline_family(model_dir, name, data)
     return family, name
@@ -581,6 +633,81 @@ def _required_parameters(class_name: str) -> list[str]:
             and p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
+# ------------------------------------------------------------------ modular pipelines (modular_model_index.json)
+def _saved_components(model_dir) -> set[str]:
+    """The components a saved modular pipeline folder's index points at (``[library, class, loading spec]``)."""
+    index = json.loads(Path(model_dir, MODULAR_INDEX).read_text(encoding="utf-8"))
+    return {k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and len(v) == 3
+            and v[1] is not None and isinstance(v[2], dict) and v[2].get("pretrained_model_name_or_path")}
+
+
+def _walk_blocks(blocks):
+    yield blocks
+    for sub in getattr(blocks, "sub_blocks", {}).values():
+        yield from _walk_blocks(sub)
+
+
+def modular_blocks(model_dir):
+    """(blocks, dropped) of a saved modular pipeline: diffusers' blocks of the folder (``ModularPipeline.
+    from_pretrained``, no weights loaded), less each top-level step whose pretrained components the folder holds
+    none of (a pipeline saved without its text encoder: the text-encoder step); ``dropped`` maps each dropped step
+    to the outputs it would have made (the call passes them instead: the family's random prompt embeddings)."""
+    from diffusers import ModularPipeline
+
+    saved = _saved_components(model_dir)
+    blocks = ModularPipeline.from_pretrained(str(model_dir)).blocks
+    dropped = {}
+    for name, step in list(blocks.sub_blocks.items()):
+        needs = [c.name for c in step.expected_components if c.default_creation_method == "from_pretrained"]
+        if needs and not set(needs) & saved:
+            dropped[name] = {o.name for b in _walk_blocks(step) for o in b.intermediate_outputs}
+            blocks.sub_blocks.pop(name)
+    return blocks, dropped
+
+
+def modular_parameters(blocks, dropped: dict) -> tuple[set[str], list[str]]:
+    """(argument names, required arguments) of a call of modular ``blocks``: their inputs, and the required ones
+    that no step of theirs makes (the outputs of the ``dropped`` steps among them: the call passes those)."""
+    made = {o.name for b in _walk_blocks(blocks) for o in b.intermediate_outputs}
+    names = {i.name for i in blocks.inputs if i.name}
+    return names, [n for n in blocks.required_inputs if n not in made]
+
+
+def _call_parameters(class_name: str, model_dir=None) -> tuple[set[str] | None, list[str], set[str]]:
+    """(argument names or None when unknown, required arguments, arguments made by the steps a modular folder
+    lacks) of the pipeline a run calls: a modular folder's blocks, else the class's ``__call__``."""
+    if is_modular(model_dir):
+        blocks, dropped = modular_blocks(model_dir)
+        names, required = modular_parameters(blocks, dropped)
+        return names, required, set().union(*dropped.values()) if dropped else set()
+    try:
+        import diffusers
+
+        modular_class = issubclass(getattr(diffusers, class_name, object), diffusers.ModularPipeline)
+    except Exception:  # noqa: BLE001 - a class diffusers cannot import: the signature lookup says None
+        modular_class = False
+    if modular_class:  # a built-in tiny modular pipeline: its builder passes what it takes
+        return None, [], set()
+    return _pipeline_parameters(class_name), _required_parameters(class_name), set()
+
+
+def _pipe_parameters(pipe) -> set[str]:
+    """The argument names of a built pipeline's call: a modular pipeline's block inputs, else ``__call__``'s."""
+    from diffusers import ModularPipeline
+
+    if isinstance(pipe, ModularPipeline):
+        return {i.name for i in pipe.blocks.inputs if i.name}
+    return set(inspect.signature(pipe.__call__).parameters)
+
+
+def load_modular(model_dir, dtype):
+    """A saved modular pipeline with its weights (``load_components``): the blocks of :func:`modular_blocks`."""
+    blocks, _ = modular_blocks(model_dir)
+    pipe = blocks.init_pipeline(str(model_dir))
+    pipe.load_components(dtype=dtype)
+    return pipe
+
+
 def read_input(path: str | os.PathLike):
     """An ``--input`` value: an image file -> a PIL image; a folder of image files (name order) or a video file
     (.mp4 / .gif / ..., read with imageio) -> a list of PIL RGB frames."""
@@ -647,7 +774,7 @@ def check_family_options(family, class_name: str, args, config, world_size: int)
                   option_names=names)
     except PLANNER_ERRORS as exc:
         raise plan_exit(exc) from None
-    params = _pipeline_parameters(class_name)
+    params, required, made_elsewhere = _call_parameters(class_name, getattr(args, "model", None))
     if params is not None:
         if args.num_frames is not None and "num_frames" not in params:
             what = ("takes no num_frames (the length of its video follows its inputs)" if family.output == "video"
@@ -662,10 +789,23 @@ def check_family_options(family, class_name: str, args, config, world_size: int)
         if unknown:
             raise SystemExit(f"lite-boost generate: --input {unknown[0]}=...: {class_name} takes no argument "
                              f"{unknown[0]!r}; its arguments: {sorted(params - {'self'})}")
-        missing = [n for n in _required_parameters(class_name)
-                   if n not in names and not (n == "image" and args.image is not None)]
+        given = {opt: v for opt, v in (("image", args.image), ("height", args.height), ("width", args.width),
+                                        ("num_frames", args.num_frames), ("num_inference_steps", args.steps))}
+        # the command always passes a prompt and the output type; a family with random prompt embeddings passes
+        # what a missing text-encoder step would have made
+        supplied = set(names) | {"prompt", "output_type", "generator"} | {n for n, v in given.items() if v is not None}
+        if any(t.prompt for t in family.tiny.values()):
+            supplied |= made_elsewhere
+        missing = [n for n in required if n not in supplied]
         if missing:
-            how = " ".join(f"--input {n}=PATH" if n != "image" else "--image PATH" for n in missing)
+            hints = {"image": "--image PATH", "height": "--height H", "width": "--width W",
+                     "num_frames": "--num-frames N", "num_inference_steps": "--steps N"}
+            unmade = [n for n in missing if n in made_elsewhere]
+            if unmade:
+                raise SystemExit(f"lite-boost generate: {class_name} (the {family.name} family) needs "
+                                 f"{', '.join(unmade)}, made by a step whose components {args.model} does not hold "
+                                 "(its text encoder, say), and the family has no prompt embeddings to pass instead")
+            how = " ".join(hints.get(n, f"--input {n}=PATH") for n in missing)
             raise SystemExit(f"lite-boost generate: {class_name} (the {family.name} family) needs "
                              f"{', '.join(missing)}; pass {how}")
     scale_arg = family.cfg_argument
@@ -748,8 +888,9 @@ def _validate_generate(args) -> None:
                                  f"{_CLI_ARGUMENTS[name]})")
         if not Path(path).exists():
             bad("--input", item, "NAME=PATH with an existing image file, folder of frames or video file")
-    if args.model is not None and not Path(args.model, "model_index.json").is_file():
-        bad("--model", args.model, "a diffusers pipeline folder (with model_index.json)")
+    if args.model is not None and index_path(args.model) is None:
+        bad("--model", args.model, f"a diffusers pipeline folder (with model_index.json, or {MODULAR_INDEX} for a "
+                                   "modular pipeline)")
     if args.config is not None and not Path(args.config).is_file():
         bad("--config", args.config, "an existing YAML file")
     check_output(args.output, getattr(args, "overwrite", False))
@@ -803,6 +944,8 @@ def _load_pipeline(args, kind, device, dtype, family, offload: bool = False):
 
     if args.model is None:
         pipe = family.tiny[kind].build(kind, dtype=dtype)
+    elif is_modular(args.model):
+        pipe = load_modular(args.model, dtype)
     else:
         from diffusers import DiffusionPipeline
 
@@ -822,7 +965,7 @@ def _call_kwargs(args, kind, tiny: bool, family, pipe=None):
     :class:`~lite_boost.adapter.family.TinyPipeline`), else the pipeline's own."""
     from lite_boost.demo import DEMO_NEGATIVE_PROMPT, DEMO_PROMPT
 
-    params = set(inspect.signature(pipe.__call__).parameters) if pipe is not None else None
+    params = _pipe_parameters(pipe) if pipe is not None else None
     video = kind in ("t2v", "i2v") and (params is None or "num_frames" in params)
     record = family.tiny[kind] if tiny else None
     shape, steps = (record.shape, record.steps) if record is not None else ((None, None, None), None)
@@ -862,7 +1005,10 @@ def _call_kwargs(args, kind, tiny: bool, family, pipe=None):
     return kw
 
 
-def _run(pipe, kw, device_type, warmup: int = 0, counter=None):
+def _run(pipe, kw, device_type, warmup: int = 0, counter=None, audio: dict | None = None):
+    """One timed call after ``warmup`` untimed ones (one step, latent output; a modular pipeline: whole calls):
+    (frames or images, phase times). ``audio``: a dict that gets the ``audio`` and ``sampling_rate`` a modular
+    pipeline returns with its video."""
     import contextlib
 
     import torch
@@ -871,33 +1017,59 @@ def _run(pipe, kw, device_type, warmup: int = 0, counter=None):
 
     from lite_boost.timing import _sync
 
+    from diffusers import ModularPipeline
+
     kw = dict(kw)
     seed = kw.pop("_seed")
+    modular = isinstance(pipe, ModularPipeline)
+    # a modular pipeline runs all its steps (its decode step has no latent output to stop at; its scheduler may
+    # want more than one step), so its warm-up is a whole call; it takes no step callback: its steps are timed at
+    # the transformer calls, its outputs asked for by name
+    outputs = [o.name for o in pipe.blocks.outputs] if modular else None
     warm = []
     for _ in range(warmup):
         _sync(device_type)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            pipe(**{**kw, "num_inference_steps": 1, "output_type": "latent",
-                    "generator": torch.Generator(device="cpu").manual_seed(seed)})
+            generator = torch.Generator(device="cpu").manual_seed(seed)
+            if modular:
+                pipe(**kw, generator=generator, output=outputs)
+            else:
+                pipe(**{**kw, "num_inference_steps": 1, "output_type": "latent", "generator": generator})
         _sync(device_type)
         warm.append(time.perf_counter() - t0)
     kw["generator"] = torch.Generator(device="cpu").manual_seed(seed)
     with torch.inference_mode(), PhaseTimer(pipe, device_type) as timer, (counter or contextlib.nullcontext()):
-        out = pipe(**kw, callback_on_step_end=timer.callback)
+        if modular:
+            def step_done(*_):  # returns None: the transformer's output stays as it is
+                timer.callback(pipe, 0, None, {})
+
+            hooks = [m.register_forward_hook(step_done) for m in _transformers(pipe)]
+            try:
+                out = pipe(**kw, output=outputs)
+            finally:
+                for h in hooks:
+                    h.remove()
+        else:
+            out = pipe(**kw, callback_on_step_end=timer.callback)
     timer.times.warmup_s = warm
+    if modular:
+        if audio is not None and out.get("audio") is not None:
+            audio.update(audio=out["audio"], sampling_rate=out.get("sampling_rate"))
+        return out.get("videos", out.get("images")), timer.times
     frames = getattr(out, "frames", None)
     return (out.images if frames is None else frames), timer.times
 
 
-def one_off_lines(rows: dict, boost_s: float | None) -> list[str]:
-    """The one-off costs, kept out of the timing table: boost() itself and the untimed first calls."""
+def one_off_lines(rows: dict, boost_s: float | None, call: str = "1 step") -> list[str]:
+    """The one-off costs, kept out of the timing table: boost() itself and the untimed first calls (``call``:
+    what one was, ``"1 step"`` or ``"whole call"``)."""
     out = []
     if boost_s is not None:
         out.append(f"boost() itself: {boost_s:.2f} s (patching; quantizing weights when --quant is on)")
     stock, boosted = rows.get("stock"), rows.get("boosted")
     if boosted is not None and boosted.warmup_s:
-        first = f"first boosted call (1 step, untimed warm-up): {boosted.warmup_s[0]:.2f} s"
+        first = f"first boosted call ({call}, untimed warm-up): {boosted.warmup_s[0]:.2f} s"
         if stock is not None and stock.warmup_s:
             extra = boosted.warmup_s[0] - stock.warmup_s[0]
             first += (f" against stock's {stock.warmup_s[0]:.2f} s; the boosted excess ({extra:+.2f} s) includes its "
@@ -1100,7 +1272,7 @@ def _run_kind(family, class_name: str, args) -> str:
     record that leaves it open, the pipeline's call signature)."""
     if args.model is None:
         return _tiny_kind(family, args)
-    params = _pipeline_parameters(class_name)
+    params = _call_parameters(class_name, args.model)[0]
     video = family.output == "video" if family.output is not None else (params is None or "num_frames" in params)
     return ("i2v" if video else "i2i") if args.image else ("t2v" if video else "t2i")
 
@@ -1174,6 +1346,7 @@ def generate(args, argv: list[str]) -> int:
 
     rows = {}
     stock_frames = None
+    stock_audio, audio = {}, {}  # what a pipeline that makes sound returns with its video (a modular one's audio)
     if not args.no_compare and config.offload is not None and device.type != "cpu":
         say(f"stock run skipped with --offload on {device} (it would need the whole model there); --device cpu "
             "compares")
@@ -1181,7 +1354,7 @@ def generate(args, argv: list[str]) -> int:
         # Every rank runs the stock pass (no collectives in it): a rank-0-only baseline would leave
         # the other ranks waiting at the first collective for as long as it takes.
         say("stock diffusers run" + (f" (on each of the {world} ranks, one device each)" if world > 1 else "") + " ...")
-        stock_frames, rows["stock"] = _run(pipe, kw, device.type, args.warmup)
+        stock_frames, rows["stock"] = _run(pipe, kw, device.type, args.warmup, audio=stock_audio)
     t0 = time.perf_counter()
     from lite_boost.api import apply_parallel_plan, apply_plan
     from lite_boost.plan import PLANNER_ERRORS, make_plan
@@ -1196,14 +1369,18 @@ def generate(args, argv: list[str]) -> int:
     from lite_boost.cache import count_block_work
 
     work = _block_work_counter(count_block_work, _transformers(pipe))  # work really done in the timed boosted run
-    frames, rows["boosted"] = _run(pipe, kw, device.type, args.warmup, counter=work)
+    frames, rows["boosted"] = _run(pipe, kw, device.type, args.warmup, counter=work, audio=audio)
     if rank != 0:
         return 0
     if image_out:
         written, fmt = write_image(frames, output_path(args.output, f"outputs/lite_boost_{kind}.png"))
     else:
-        written, fmt = write_video(frames, output_path(args.output, f"outputs/lite_boost_{kind}.mp4"), fps=args.fps)
+        fps = args.fps or (pipe_fps if isinstance(pipe_fps := getattr(pipe, "fps", None), int) else 16)
+        written, fmt = write_video(frames, output_path(args.output, f"outputs/lite_boost_{kind}.mp4"), fps=fps)
     print(f"\nwrote {written} [{fmt}]")
+    if audio.get("audio") is not None:
+        wav = write_audio(audio["audio"], audio["sampling_rate"], written.with_suffix(".wav"))
+        print(f"wrote {wav} [WAV, {audio['sampling_rate']} Hz, the soundtrack the pipeline made with the video]")
     print()
     # phases the boost leaves alone: their "speed-up" would only be run-to-run noise
     from lite_boost.parallel.vae import parallel_vae_state
@@ -1212,7 +1389,10 @@ def generate(args, argv: list[str]) -> int:
     untouched = ("text encode",) + (() if vae_parallel else ("VAE decode",))
     from lite_boost.timing import speedup_line, warmup_line
 
-    print(warmup_line(rows, args.warmup))
+    from diffusers import ModularPipeline
+
+    whole = isinstance(pipe, ModularPipeline)  # its warm-up calls are whole calls (_run)
+    print(warmup_line(rows, args.warmup, call="whole" if whole else "1-step"))
     threads = torch.get_num_threads()
     if world > 1:
         print(f"threads: boosted = {world} processes x {threads} torch thread(s) = {world * threads}; the stock "
@@ -1227,7 +1407,7 @@ def generate(args, argv: list[str]) -> int:
     print(format_timing_table(rows, untouched=untouched))
     if "stock" in rows:
         print("\n" + speedup_line(rows["stock"], rows["boosted"], step_cache=config.cache is not None))
-    once = one_off_lines(rows, boost_s)
+    once = one_off_lines(rows, boost_s, call="whole call" if whole else "1 step")
     if once:
         print("one-off costs (not in the table): " + "; ".join(once))
     if stock_frames is not None:
@@ -1238,6 +1418,9 @@ def generate(args, argv: list[str]) -> int:
                  if config.cache or config.sparse or config.quant else ""))
         print(f"{what} PSNR boosted vs stock: {'inf' if psnr == float('inf') else f'{psnr:.1f}'} dB "
               f"(peak = the stock {what}'s value range, {peak:.3f})")
+        if audio.get("audio") is not None and stock_audio.get("audio") is not None:
+            sound = (audio["audio"].float() - stock_audio["audio"].float()).abs().max().item()
+            print(f"max |boosted - stock| over the audio (samples in [-1, 1]): {sound:.2e}")
     print("\napplied:")
     for line in applied_summary(pipe, config, work, device, dtype):
         print(f"- {line}")

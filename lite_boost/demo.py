@@ -557,3 +557,50 @@ def describe_qwen_image21_demo(pipe, kw) -> str:
     return (f"  model: random weights; transformer {cfg.num_layers} layers x {cfg.num_attention_heads} heads x "
             f"{cfg.attention_head_dim}, {h} x {w} = {h * w:,} image tokens after {text}, random prompt embeddings: "
             "no text encoder), block-causal")
+
+
+# ------------------------------------------------------------------------------------------ MiniMax-H3
+DEMO_MINIMAX_H3_TEXT_LEN = 6
+
+
+def demo_minimax_h3_pipeline(kind: str = "t2v", *, seed: int = 0, dtype=torch.float32):
+    """A ``MiniMaxH3ModularPipeline`` of random weights: diffusers' ``t2va`` workflow (layout, noise, per-row
+    timesteps, denoising loop, video and audio decode) without its text-encoder step (no Qwen3-VL conditioner:
+    called with ``prompt_embeds`` / ``text_token_tags``, :func:`minimax_h3_demo_prompt`); a 2-block transformer
+    of 3 heads, a 4x spatial / 4x temporal video VAE of 4 latent channels and an audio VAE of 8."""
+    from diffusers import (AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Transformer3DModel,
+                           MiniMaxH3Blocks)
+    from diffusers.schedulers import MiniMaxH3Scheduler
+
+    blocks = MiniMaxH3Blocks().get_workflow("t2va")
+    blocks.sub_blocks.pop("text_encoder")
+    pipe = blocks.init_pipeline()
+    torch.manual_seed(seed)
+    transformer = MiniMaxH3Transformer3DModel(
+        num_attention_heads=3, attention_head_dim=16, hidden_size=24, num_layers=2, num_refiner_layers=1, ffn_dim=32,
+        in_channels=4, audio_in_channels=8, patch_size=(1, 2, 2), text_dim=8, freq_dim=8, time_embed_hidden_dim=24,
+        time_embed_dim=16, rope_freq_dim=2).eval()
+    if dtype != torch.float32:
+        transformer = transformer.to(dtype)
+    vae = AutoencoderKLMiniMaxH3(
+        latent_channels=4, block_out_channels=(8, 16), layers_per_block=1, spatial_downsample_factors=(2, 2),
+        temporal_downsample_factors=(2, 2), norm_num_groups=8, decoder_num_layers=1, decoder_num_attention_heads=2,
+        decoder_attention_head_dim=8, decoder_num_register_tokens=2, decoder_ffn_mult=2, latents_mean=(0.0,) * 4,
+        latents_std=(1.0,) * 4).eval()
+    audio_vae = AutoencoderKLMiniMaxH3Audio(
+        encoder_dim=4, encoder_rates=(2, 2), latent_dim=32, latent_channels=8, num_attention_heads=2, decoder_dim=16,
+        decoder_rates=(2, 2), decoder_kernel_sizes=(4, 4), resblock_kernel_sizes=(3, 7),
+        resblock_dilation_sizes=((1, 3), (1, 3)), latents_mean=[0.0] * 8, latents_std=[1.0] * 8).eval()
+    pipe.update_components(transformer=transformer, vae=vae, audio_vae=audio_vae,
+                           scheduler=MiniMaxH3Scheduler(shift=12.0), audio_scheduler=MiniMaxH3Scheduler(shift=3.0))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def minimax_h3_demo_prompt(pipe, *, cfg: bool, seed: int) -> dict:
+    """Random ``prompt_embeds`` at the transformer's text width and their per-row text tags (the checkpoint is
+    guidance-distilled: no negative prompt, ``cfg`` is ignored)."""
+    g = torch.Generator().manual_seed(seed)
+    dim = pipe.transformer.config.text_dim
+    return {"prompt_embeds": torch.randn(1, DEMO_MINIMAX_H3_TEXT_LEN, dim, generator=g),
+            "text_token_tags": torch.full((DEMO_MINIMAX_H3_TEXT_LEN,), pipe.text_tag, dtype=torch.long)}

@@ -70,7 +70,8 @@ class PhaseTimer:
         self._patched.append((owner, name))
 
     def __enter__(self) -> "PhaseTimer":
-        self._wrap(self.pipe, "encode_prompt", "text_encode_s")
+        if callable(getattr(self.pipe, "encode_prompt", None)):  # a modular pipeline has none (a step encodes)
+            self._wrap(self.pipe, "encode_prompt", "text_encode_s")
         if getattr(self.pipe, "vae", None) is not None:
             self._wrap(self.pipe.vae, "decode", "vae_decode_s")
         self._start = time.perf_counter()
@@ -143,11 +144,12 @@ def speedup_line(stock: PhaseTimes, boosted: PhaseTimes, step_cache: bool = Fals
     return text
 
 
-def warmup_line(rows: dict[str, PhaseTimes], warmup: int) -> str:
-    """What ran before the timed runs, and where the one-off costs went."""
+def warmup_line(rows: dict[str, PhaseTimes], warmup: int, call: str = "1-step") -> str:
+    """What ran before the timed runs, and where the one-off costs went. ``call``: what one warm-up call was
+    (``"1-step"``, or ``"whole"`` where the pipeline cannot stop early)."""
     if warmup <= 0:
         return ("no warm-up (--warmup 0): one-off costs (kernel library load, compilation, the first sparse call) "
                 "are inside the timed runs")
     names = " and ".join(rows)
-    return (f"both sides warmed up before their timed run: {names} each made {warmup} untimed 1-step call(s) first "
+    return (f"both sides warmed up before their timed run: {names} each made {warmup} untimed {call} call(s) first "
             "(one-off costs listed below, not in the table)")

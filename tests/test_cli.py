@@ -227,7 +227,8 @@ def test_family_flag_takes_registered_families_and_runs_only_tiny_ones():
     with pytest.raises(SystemExit, match=r"--family must be one of \['wan', 'qwen-image', 'qwen-image-2.1', 'flux'.*got 'sdxl'"):
         main(["generate", "--family", "sdxl"])
     with pytest.raises(SystemExit, match=r"--family flux has no built-in tiny model: pass --model PATH .* "
-                                         r"a family with one: \['wan', 'qwen-image', 'qwen-image-2.1', 'flux2', 'ltx2'\]"):
+                                         r"a family with one: \['wan', 'qwen-image', 'qwen-image-2.1', 'flux2', 'ltx2', "
+                                         r"'minimax-h3'\]"):
         main(["generate", "--family", "flux"])
 
 
@@ -391,13 +392,15 @@ def saved_newer_family_pipelines(tmp_path_factory):
     from PIL import Image
 
     import _tiny_wan_derived as wan_derived
-    from lite_boost.demo import demo_flux2_pipeline, demo_ltx2_pipeline
+    from lite_boost.demo import demo_flux2_pipeline, demo_ltx2_pipeline, demo_minimax_h3_pipeline
 
     root = tmp_path_factory.mktemp("newer")
     demo_flux2_pipeline("t2i").save_pretrained(root / "flux2")  # no text encoder: random prompt embeddings
     demo_ltx2_pipeline("t2v").save_pretrained(root / "ltx2")
     for family in ("skyreels-v2", "wan-vace", "chronoedit", "wan-animate"):
         wan_derived.pipeline(family).save_pretrained(root / family)
+    # a modular pipeline (modular_model_index.json), saved without its text encoder: random prompt embeddings
+    demo_minimax_h3_pipeline().save_pretrained(str(root / "minimax-h3"), overwrite_modular_index=True)
     rng = np.random.RandomState(0)
 
     def frames(name, count, size, mode="RGB"):
@@ -424,6 +427,8 @@ NEWER_MODEL_RUNS = {  # folder -> (pipeline class, kind, output, flags; paths re
     "chronoedit": ("ChronoEditPipeline", "i2v", "video", ["--num-frames", "5", "--image", "image.png"]),
     "wan-animate": ("WanAnimatePipeline", "i2v", "video", ["--image", "image.png", "--input", "pose_video=pose",
                                                            "--input", "face_video=face"]),
+    # 124 frames (5 s at 24 fps, the shortest it makes: its own default), 8 x 8 latent, video + audio
+    "minimax-h3": ("MiniMaxH3ModularPipeline", "t2v", "video", ["--height", "32", "--width", "32"]),
 }
 
 
@@ -474,3 +479,71 @@ def test_pipeline_inputs_are_checked_before_anything_runs(saved_newer_family_pip
                             (f"pose_video={root / 'nowhere'}", r"NAME=PATH with an existing image file")):
         with pytest.raises(SystemExit, match=fragment):
             main([*animate, "--input", value])
+
+
+def test_generate_modular_minimax_h3_writes_its_soundtrack_equal_to_stock(saved_newer_family_pipelines, tmp_path,
+                                                                          capsys):
+    """A saved modular pipeline (modular_model_index.json, no model_index.json): the boosted video and audio equal
+    the CLI's stock run <= 1e-5, and the soundtrack in the .wav next to the video is that of the in-memory pipeline
+    the folder was saved from, run stock with diffusers (the same random prompt embeddings and seed)."""
+    import wave
+
+    import torch
+
+    from lite_boost.demo import demo_minimax_h3_pipeline, minimax_h3_demo_prompt
+
+    folder = saved_newer_family_pipelines / "minimax-h3"
+    assert (folder / "modular_model_index.json").is_file() and not (folder / "model_index.json").exists()
+    assert main(["generate", "--model", str(folder), "--height", "32", "--width", "32", "--steps", "2", "--warmup",
+                 "0", "--seed", "3", "--output", str(tmp_path / "v.mp4")]) == 0
+    out = capsys.readouterr().out
+    assert "the minimax-h3 family), 32x32, 2 steps, cpu, float32" in out
+    wav = Path(re.search(r"wrote (\S+\.wav) \[WAV, 32000 Hz", out).group(1))
+    assert float(re.search(r"max \|boosted - stock\| over the audio \(samples in \[-1, 1\]\): (\S+)",
+                           out).group(1)) <= 1e-5
+    pipe = demo_minimax_h3_pipeline()  # what was saved, stock
+    with torch.inference_mode():
+        ref = pipe(**minimax_h3_demo_prompt(pipe, cfg=False, seed=3), height=32, width=32, num_inference_steps=2,
+                   output_type="np", generator=torch.Generator().manual_seed(3), output="audio")[0]
+    with wave.open(str(wav)) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (2, 2, 32000)
+        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").reshape(-1, 2).T / 32767
+    assert pcm.shape == tuple(ref.shape) and ref.abs().max() > 0.01
+    assert np.abs(pcm - ref.numpy().clip(-1, 1)).max() <= 1 / 32767  # 16-bit rounding
+
+
+def test_modular_pipeline_arguments_are_checked_before_anything_runs(saved_newer_family_pipelines, no_launch,
+                                                                     monkeypatch):
+    """Its blocks' required inputs (read from the folder, no weights loaded) are named with their options; the
+    outputs of the text-encoder step the folder lacks come from the family's prompt embeddings."""
+    import lite_boost.cli as cli
+
+    monkeypatch.setattr(cli, "load_modular", lambda *a, **k: pytest.fail("weights were loaded"))
+    folder = saved_newer_family_pipelines / "minimax-h3"
+    with pytest.raises(SystemExit, match=r"MiniMaxH3ModularPipeline \(the minimax-h3 family\) needs "
+                                         r"num_inference_steps; pass --steps N"):
+        main(["generate", "--model", str(folder)])
+    with pytest.raises(SystemExit, match=r"--input bogus=\.\.\.: MiniMaxH3ModularPipeline takes no argument 'bogus'; "
+                                         r"its arguments: \[.*'prompt_embeds'.*'text_token_tags'"):
+        main(["generate", "--model", str(folder), "--steps", "2", "--input",
+              f"bogus={saved_newer_family_pipelines / 'image.png'}"])
+    with pytest.raises(SystemExit, match=r"--guidance-scale is not supported by MiniMaxH3ModularPipeline"):
+        main(["generate", "--model", str(folder), "--steps", "2", "--guidance-scale", "3"])
+    blocks, dropped = cli.modular_blocks(folder)
+    assert list(dropped) == ["text_encoder"] and dropped["text_encoder"] == {"prompt_embeds", "text_token_tags"}
+    names, required = cli.modular_parameters(blocks, dropped)
+    assert sorted(required) == ["num_inference_steps", "prompt_embeds", "text_token_tags"]
+    assert {"height", "width", "num_frames", "output_type"} <= names and "prompt" not in names
+
+
+def test_write_audio_is_16_bit_pcm_interleaved(tmp_path):
+    import wave
+
+    from lite_boost.cli import write_audio
+
+    sound = np.stack([np.linspace(-1.5, 1.5, 7), np.linspace(0.5, -0.5, 7)])[None]  # (1, 2, 7), clipped to [-1, 1]
+    path = write_audio(sound, 16000, tmp_path / "a" / "s.wav")
+    with wave.open(str(path)) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()) == (2, 2, 16000, 7)
+        pcm = np.frombuffer(w.readframes(7), dtype="<i2").reshape(7, 2)
+    assert pcm[0].tolist() == [-32767, 16384] and pcm[-1].tolist() == [32767, -16384]

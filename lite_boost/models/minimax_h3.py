@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ..adapter import AttentionSite, LiteBoostProcessor, ModelFamily, RopeSource
+from ..adapter import AttentionSite, LiteBoostProcessor, ModelFamily, RopeSource, TinyPipeline
 from ..adapter.shims import SEA_CACHE_WHY_NOT, CachedRope, call_arg, tensor_keys
 from ..cache import CacheAdapter
 from ..ops.rope import RotaryEmbedding, phasors_from_complex, rotate
@@ -252,6 +252,10 @@ MINIMAX_H3 = register_family(ModelFamily(
           "refiner runs whole on every rank",
     output="video",
     cfg_argument=None,
+    # the t2va workflow without its Qwen3-VL text-encoder step (random prompt embeddings); 5 s at 24 fps is the
+    # shortest video the pipeline makes (124 frames)
+    tiny={"t2v": TinyPipeline("MiniMaxH3ModularPipeline", builder="lite_boost.demo:demo_minimax_h3_pipeline",
+                              shape=(32, 32, 124), steps=2, prompt="lite_boost.demo:minimax_h3_demo_prompt")},
 ))
 
 boost_minimax_h3_transformer = MINIMAX_H3.boost_transformer

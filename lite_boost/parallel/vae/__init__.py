@@ -27,6 +27,12 @@ the same over groups of video frames. This module spreads that work over the ran
     are the model's own code, untouched. Each band's convolution runs with the CPU kernel PyTorch
     would pick for the full frame (oneDNN rather than the im2col kernel a shorter band falls back to).
 
+``"exact"`` by whole clips (a VAE whose adapter names a per-clip method, :meth:`VAEAdapter.clip_method`)
+    A VAE that already cuts its input into independent temporal clips (nothing carried from clip to clip)
+    and assembles their outputs itself: the clips are spread over the ranks, each rank runs its own, three
+    all-gathers (a header, the shapes, the outputs) give every rank every clip output, and every rank runs the
+    VAE's own assembly on them (:mod:`.clips`). Exact: each clip is the stock computation.
+
 Trade-off: chunked sends only the decoded video (one collective) and scales to any rank count, but
 its seams are approximate and every non-first chunk recomputes ``overlap`` warm-up frames; exact
 pays one small collective per convolution per frame (a row of activations each way) and needs at
@@ -37,13 +43,15 @@ need halos) lives in a per-model :class:`VAEAdapter` registered with :func:`regi
 (``lite_boost.models.wan_vae`` registers Wan's). This package knows no model.
 
 One module per job: :mod:`.adapter` (the adapter API, its registry, the modes), :mod:`.chunks`
-(chunk planning and the chunked run), :mod:`.spatial` (the exact mode's row bands and halos),
+(chunk planning and the chunked run), :mod:`.spatial` (the exact mode's row bands and halos), :mod:`.clips`
+(the exact mode by whole independent clips),
 :mod:`.collectives` (the collectives and their errors), :mod:`.runner` (install / dispatch / remove).
 """
 
 from .adapter import (VAE_GATHER, VAE_MODES, SpatialLayout, UnsupportedVAEError, VAEAdapter, check_vae_mode,
                       register_vae_adapter, vae_adapter_for)
 from .chunks import Chunk, ChunkPlan, plan_chunks
+from .clips import ClipPlan, plan_clips
 from .collectives import VAECollectiveError
 from .runner import ParallelVAE, parallel_vae_state, parallelize_vae, unparallelize_vae
 from .spatial import split_rows
@@ -53,6 +61,7 @@ __all__ = [
     "VAE_GATHER",
     "Chunk",
     "ChunkPlan",
+    "ClipPlan",
     "ParallelVAE",
     "SpatialLayout",
     "UnsupportedVAEError",
@@ -62,6 +71,7 @@ __all__ = [
     "parallel_vae_state",
     "parallelize_vae",
     "plan_chunks",
+    "plan_clips",
     "register_vae_adapter",
     "split_rows",
     "unparallelize_vae",

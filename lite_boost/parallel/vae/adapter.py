@@ -2,7 +2,8 @@
 
 :class:`VAEAdapter` (one subclass per VAE class, in ``lite_boost.models``) tells the runner how a
 latent-frame range maps to output frames, which method to wrap and, for the exact mode, which modules
-need halos (:class:`SpatialLayout`). :func:`register_vae_adapter` records a subclass under the VAE
+need halos (:class:`SpatialLayout`) or, for a VAE made of independent temporal clips, which per-clip method to
+hand out (:meth:`VAEAdapter.clip_method`). :func:`register_vae_adapter` records a subclass under the VAE
 class names it serves; :func:`vae_adapter_for` finds the adapter of a VAE instance (its class or the
 nearest registered base). Nothing here runs a collective or knows a model.
 """
@@ -156,6 +157,19 @@ class VAEAdapter:
         return tensor
 
     def spatial_layout(self, kind: str) -> SpatialLayout:
+        raise NotImplementedError
+
+    # exact mode by whole clips (:mod:`.clips`) instead of row bands
+    def clip_method(self, kind: str) -> str | None:
+        """The instance method the wrapped method calls once per temporal clip, when the clips are independent
+        (nothing carried from one to the next): exact mode then spreads the clips over the ranks and lets the
+        wrapped method assemble the gathered outputs. None (default): exact mode splits rows
+        (:meth:`spatial_layout`)."""
+        return None
+
+    def clip_inputs(self, inp: torch.Tensor, kind: str, *args, **kwargs) -> list:
+        """The inputs the wrapped method will pass to :meth:`clip_method` for this call, in call order (each
+        checked with ``torch.equal`` when the call makes it). Needed when :meth:`clip_method` names one."""
         raise NotImplementedError
 
     # planning

@@ -42,8 +42,10 @@ class _Collectives:
                 f"(timeout {self.timeout_s}s): {type(exc).__name__}: {exc}"
             ) from exc
 
-    def gather_equal(self, buf: torch.Tensor, to_all: bool, root: int = 0) -> torch.Tensor | None:
-        """Stack equal-size ``buf`` of every rank (P, *buf.shape) on every rank or only on ``root``."""
+    def gather_equal(self, buf: torch.Tensor, to_all: bool, root: int = 0,
+                     op: str = "vae_gather") -> torch.Tensor | None:
+        """Stack equal-size ``buf`` of every rank (P, *buf.shape) on every rank or only on ``root``.
+        ``op``: the name the all-gather is counted and reported under."""
         comm = self.comm
         if comm.size == 1:
             return buf.unsqueeze(0)
@@ -51,8 +53,8 @@ class _Collectives:
         if to_all:
             flat = buf.reshape(1, -1)
             out = flat.new_empty((comm.size, flat.shape[1]))
-            with self._guard("vae_gather"):
-                comm.all_gather_into(out, flat, op="vae_gather")
+            with self._guard(op):
+                comm.all_gather_into(out, flat, op=op)
             return out.view((comm.size,) + tuple(buf.shape))
         nbytes = buf.numel() * buf.element_size()
         is_root = comm.rank == root

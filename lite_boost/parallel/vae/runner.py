@@ -18,6 +18,7 @@ from ...config import ConfigError
 from ..comm import Communicator
 from .adapter import VAE_GATHER, VAE_MODES, VAEAdapter, check_vae_mode, vae_adapter_for
 from .chunks import ChunkPlan, _check_pos_int, plan_chunks, run_chunked
+from .clips import ClipPlan, run_clips
 from .collectives import _Collectives
 from .spatial import _check_overlap_halo, _SpatialSplit
 
@@ -31,7 +32,8 @@ class ParallelVAE:
 
     Attributes: ``mode`` ("exact" | "chunked"), ``overlap``, ``chunk_size``, ``gather`` ("all" |
     "rank0"), ``comm`` (the Communicator), ``adapter``, ``last_plan`` (the ChunkPlan of the last
-    chunked call, for inspection), ``calls`` (counts per kind), ``overlap_halo`` (exact mode: True =
+    chunked call, for inspection), ``last_clips`` (the ClipPlan of the last exact call by whole clips;
+    None after a one-clip call), ``calls`` (counts per kind), ``overlap_halo`` (exact mode: True =
     start each halo exchange before convolving the band's inner rows, then convolve the two edge
     strips; False = one convolution call after the exchange; "auto", the default = True where the
     two extra calls pay, per module), ``record_phases`` (chunked mode: time each call's phases into
@@ -63,6 +65,7 @@ class ParallelVAE:
         self.inner: dict[str, Any] = {}
         self.previous: dict[str, Any] = {}
         self.last_plan: ChunkPlan | None = None
+        self.last_clips: ClipPlan | None = None  # exact mode by clips: the last call's ClipPlan
         self.calls = {"decode": 0, "encode": 0}
         # exact mode: overlap each halo exchange with the convolution of the band's inner rows (True),
         # never (False), or where the extra convolution calls pay ("auto": see _overlap_pays)
@@ -116,6 +119,10 @@ class ParallelVAE:
             return inner(inp, *args, **kwargs)
         if self.mode == "exact":
             ad = self.adapter
+            if ad.clip_method(kind) is not None:  # whole independent clips per rank (.clips)
+                self.last_clips = None
+                return run_clips(ad, self.coll, kind, inner, inp, args, kwargs,
+                                 on_plan=lambda plan: setattr(self, "last_clips", plan))
             defer = ad.row_local_tail(inp, kind)
             split = _SpatialSplit(ad.spatial_layout(kind), self.coll, defer_gather=defer,
                                   overlap_halo=self.overlap_halo).install()

@@ -100,3 +100,39 @@ def call_kwargs(*, text=6, height=64, width=96, steps=3, seed=0):
     return dict(prompt_embeds=torch.randn(1, text, 8, generator=g), text_token_tags=torch.ones(text, dtype=torch.long),
                 height=height, width=width, num_frames=124, num_inference_steps=steps,
                 generator=torch.Generator().manual_seed(seed), output=["latents", "audio_latents"])
+
+
+def video_vae(seed: int = 0, latent_channels: int = 4, spatial=(2, 2), temporal=(2, 2), channels=(8, 16),
+              layers: int = 2):
+    """A tiny random-weight ``AutoencoderKLMiniMaxH3`` (diffusers' model-test sizes by default: 4x spatial, 4x
+    temporal; ``clip_length`` 17 and ``token_drop`` 3 as released, so clips of 5 + 2 latent frames cross-faded
+    over 5 video frames). ``latent_channels=24, spatial=(2, 2, 2, 2)`` is the pipelines' geometry (16x)."""
+    from diffusers import AutoencoderKLMiniMaxH3
+
+    torch.manual_seed(seed)
+    return AutoencoderKLMiniMaxH3(
+        in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=channels,
+        layers_per_block=1, spatial_downsample_factors=spatial, temporal_downsample_factors=temporal,
+        norm_num_groups=4, decoder_num_layers=layers, decoder_num_attention_heads=2, decoder_attention_head_dim=8,
+        decoder_num_register_tokens=2, decoder_ffn_mult=2, latents_mean=(0.0,) * latent_channels,
+        latents_std=(1.0,) * latent_channels).eval()
+
+
+def decode_pipeline(seed: int = 0, dtype=torch.float32):
+    """:func:`pipeline` followed by diffusers' ``MiniMaxH3VideoDecodeStep`` with a tiny 16x / 4x video VAE
+    (24 latent channels: the geometry the pipeline assumes without one, so the same 37 x 4 x 6 latents):
+    latents and the decoded video out (no audio VAE)."""
+    from diffusers.modular_pipelines import SequentialPipelineBlocks
+    from diffusers.modular_pipelines.minimax_h3.decoders import MiniMaxH3VideoDecodeStep
+    from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3CoreDenoiseStep
+    from diffusers.schedulers import MiniMaxH3Scheduler
+
+    blocks = SequentialPipelineBlocks.from_blocks_dict({"core": MiniMaxH3CoreDenoiseStep(),
+                                                        "decode": MiniMaxH3VideoDecodeStep()})
+    pipe = blocks.init_pipeline()
+    vae = video_vae(seed + 3, latent_channels=24, spatial=(2, 2, 2, 2), temporal=(1, 2, 2, 1), channels=(8,) * 4,
+                    layers=1)
+    pipe.update_components(transformer=pipeline_transformer(seed, dtype), scheduler=MiniMaxH3Scheduler(shift=12.0),
+                           audio_scheduler=MiniMaxH3Scheduler(shift=3.0), vae=vae)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

@@ -245,11 +245,11 @@ MINIMAX_H3 = register_family(ModelFamily(
     tensor_parallel=MINIMAX_H3_TP_PLAN,
     cache=MINIMAX_H3_CACHE_ADAPTER,
     quant_patterns=("transformer_blocks.*", "token_refiner.refiner_blocks.*"),
-    unsupported={"cfg_parallel": "the checkpoint is guidance-distilled: one transformer call per step, no CFG to split",
-                 "parallel_vae": "AutoencoderKLMiniMaxH3 has no parallel-VAE adapter (a ViT decoder attending whole "
-                                 "clips; clips cross-faded in time); each rank decodes the video, the audio VAE too"},
+    unsupported={"cfg_parallel": "the checkpoint is guidance-distilled: one transformer call per step, no CFG to "
+                                 "split"},
     notes="text, audio and video rows share one packed self-attention sequence (sharded together); the token "
-          "refiner runs whole on every rank",
+          "refiner runs whole on every rank; parallel VAE: the video VAE's temporal clips are spread over the "
+          "ranks (exact; models/minimax_h3_vae.py), the audio VAE decodes whole on every rank",
     output="video",
     cfg_argument=None,
     # the t2va workflow without its Qwen3-VL text-encoder step (random prompt embeddings); 5 s at 24 fps is the

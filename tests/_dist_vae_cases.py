@@ -273,3 +273,108 @@ def run_cases(rank, world, init_method, names):
         else:
             res[name] = globals()[f"{name}_cases" if name != "seam" else "seam_case"](mesh)
     return res
+
+
+# ------------------------------------------------------------------------------------------ Qwen-Image 2.1
+def tiny_qwen21_vae(residual=True, seed=0):
+    """A random-weight ``AutoencoderKLQwenImage21`` (8x, 4 image channels, 8 latent channels). ``residual``: the
+    released structure (AvgDown3D / DupUp3D shortcuts, temporal resamplers that skip a first frame); else the
+    plain one (residual blocks and resamplers only)."""
+    from diffusers import AutoencoderKLQwenImage21
+
+    torch.manual_seed(seed)
+    kw = dict(is_residual=residual)  # (attn_scales: stock's encoder passes feat_cache to its attention blocks)
+    return AutoencoderKLQwenImage21(base_dim=8, decoder_base_dim=8, z_dim=8, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                    temperal_downsample=[False, True, True], latents_mean=[0.0] * 8,
+                                    latents_std=[1.0] * 8, scale_factor_spatial=8, **kw).eval()
+
+
+def _qwen21_inputs(h, w, seed, batch=1, frames=1):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(batch, 8, 1, h, w, generator=g)
+    x = torch.rand(batch, 4, frames, 8 * h, 8 * w, generator=g) * 2 - 1
+    return z, x
+
+
+def _restored(vae) -> bool:
+    """No hook, no instance-level forward / conv kernel and the stock row padding on any module of ``vae``."""
+    return all(not m._forward_pre_hooks and not m._forward_hooks and "forward" not in m.__dict__
+               and "_conv_forward" not in m.__dict__ for m in vae.modules()) and "_decode" not in vae.__dict__ \
+        and "_encode" not in vae.__dict__
+
+
+def _paddings(vae):
+    return [(getattr(m, "_padding", None), getattr(m, "padding", None)) for m in vae.modules()]
+
+
+def qwen21_exact_cases(mesh):
+    """AutoencoderKLQwenImage21 in exact mode vs the stock one-process VAE: decode and encode at latent heights
+    that do not divide evenly over the ranks, both structures, a batch of 2, a 4-frame encode input (stock encodes
+    its first frame), spatial tiling; after unparallelize the VAE is stock again (no hook, padding restored, a
+    decode bit-equal to the one before)."""
+    out = {}
+    with torch.no_grad():
+        for residual in (True, False):
+            vae = tiny_qwen21_vae(residual)
+            pads = _paddings(vae)
+            for h, w, batch, frames in ((5, 4, 1, 1), (7, 3, 1, 4), (4, 6, 2, 1)):
+                z, x = _qwen21_inputs(h, w, seed=60 + h, batch=batch, frames=frames)
+                ref_d, ref_e = vae.decode(z).sample, vae.encode(x).latent_dist.mean
+                dec, enc, dc, ec, _ = _run(vae, mesh.world, z, x, mode="exact")
+                after = vae.decode(z).sample
+                out[(residual, h, w)] = dict(
+                    dec=_diff(dec, ref_d), enc=_diff(enc, ref_e), ref_abs=ref_d.abs().mean().item(),
+                    enc_abs=ref_e.abs().mean().item(), halos=dc.get("vae_halo", 0), enc_halos=ec.get("vae_halo", 0),
+                    restored=_restored(vae) and _paddings(vae) == pads and torch.equal(after, ref_d))
+        vae = tiny_qwen21_vae(True)
+        # diffusers' spatial tiling (tiles of 32 x 32 px, stride 16): every tile split into bands, gathered per tile
+        vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=16,
+                          tile_sample_stride_width=16)
+        z, x = _qwen21_inputs(6, 5, seed=70)
+        ref_d, ref_e = vae.decode(z).sample, vae.encode(x).latent_dist.mean
+        dec, enc, dc, ec, _ = _run(vae, mesh.world, z, x, mode="exact")
+        out["tiled"] = dict(dec=_diff(dec, ref_d), enc=_diff(enc, ref_e), ref_abs=ref_d.abs().mean().item(),
+                            enc_abs=ref_e.abs().mean().item(), halos=dc.get("vae_halo", 0),
+                            enc_halos=ec.get("vae_halo", 0), restored=_restored(vae))
+    return out
+
+
+def qwen21_pipeline_cases(mesh):
+    """The tiny QwenImage21Pipeline (16x VAE) under ParallelManager (Ulysses over all ranks, the parallel VAE at
+    its default, exact) vs stock in one process, image out: text-to-image with CFG (decode of 4 x 6 latents) and
+    with a condition image (its 64 x 128 px encode, then the decode); unparallelize leaves the stock VAE."""
+    import _tiny_qwen21 as t
+    from lite_boost.parallel import ParallelManager, unparallelize
+    from lite_boost.parallel.vae import parallel_vae_state
+
+    out = {}
+    for kind in ("t2i", "cond"):
+        def build():
+            pipe = t.pipeline()
+            return pipe if kind == "t2i" else t.image_conditioned(pipe)
+
+        def kwargs():
+            if kind == "t2i":
+                return t.call_kwargs(height=64, width=96, steps=2, output_type="pt")
+            return dict(t.call_kwargs(height=64, width=96, steps=2, cfg=False, output_type="pt"),
+                        output_resolution=96, image=[t.condition_image(32, 64)])
+
+        ref = t.run(build(), kwargs())
+        pipe = build()
+        ParallelManager(pipe, {"parallel": {"timeout_s": 120}}, mesh=mesh)
+        state = parallel_vae_state(pipe.vae)
+        stats = mesh.world.enable_stats()
+        stats.reset()
+        got = t.run(pipe, kwargs())
+        calls = dict(stats.calls)
+        mesh.world.stats = None
+        unparallelize(pipe)
+        z = torch.randn(1, 4, 1, 3, 5, generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            stock = t.pipeline().vae.decode(z).sample  # the same seeded weights, never parallelized
+            again = pipe.vae.decode(z).sample
+        out[kind] = dict(diff=_diff(got, ref), ref_abs=ref.abs().mean().item(), shape=tuple(got.shape),
+                         mode=state.mode if state is not None else None, calls=dict(state.calls) if state else None,
+                         halos=calls.get("vae_halo", 0), removed=parallel_vae_state(pipe.vae) is None
+                         and _restored(pipe.vae) and torch.equal(again, stock))
+    return out

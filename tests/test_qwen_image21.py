@@ -122,9 +122,9 @@ def test_family_is_registered_with_its_features():
     assert SUPPORTED_MODELS["QwenImage21Transformer2DModel"] is QWEN_IMAGE_21.boost_transformer
     assert family_of(t.pipeline()) is QWEN_IMAGE_21
     features = QWEN_IMAGE_21.features
-    for f in ("dense", "sparse", "sequence_parallel", "cfg_parallel", "compile", "quant"):
+    for f in ("dense", "sparse", "sequence_parallel", "cfg_parallel", "compile", "quant", "parallel_vae"):
         assert features[f] is None, f
-    assert "AutoencoderKLQwenImage21" in features["parallel_vae"]
+    assert "QwenImage21TransformerBlock" in features["step_cache"]
 
 
 @torch.no_grad()

@@ -230,9 +230,7 @@ QWEN_IMAGE_21 = register_family(ModelFamily(
     sharding=QWEN21_SHARDING_PLAN,
     pipeline=QWEN21_PIPELINE_PLAN,
     quant_patterns=("transformer_blocks.*",),
-    unsupported={"parallel_vae": "AutoencoderKLQwenImage21 has no parallel-VAE adapter yet; each rank decodes the "
-                                 "image",
-                 "step_cache": _STEP_CACHE_WHY_NOT},
+    unsupported={"step_cache": _STEP_CACHE_WHY_NOT},
     notes="block-causal single stream: text and condition images whole on every rank, the target image split; "
           "prefix KV caching as the pipeline asks",
     # diffusers' QwenImage21Transformer2DModel defaults (32 blocks, 32 heads x 128) at 1024 x 1024 px (16x VAE, no

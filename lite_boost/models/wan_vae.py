@@ -36,7 +36,8 @@ from torch import nn
 
 from ..parallel.vae import SpatialLayout, VAEAdapter, register_vae_adapter
 
-__all__ = ["WanVAEAdapter", "QwenImageVAEAdapter", "WAN_VAE_DEFAULT_OVERLAP", "WAN_VAE_DEFAULT_ENCODE_OVERLAP"]
+__all__ = ["WanVAEAdapter", "QwenImageVAEAdapter", "QwenImage21VAEAdapter", "WAN_VAE_DEFAULT_OVERLAP",
+           "WAN_VAE_DEFAULT_ENCODE_OVERLAP"]
 
 # Chosen from the seam study on the trained small Wan VAE (docs/benchmarks/vae.md): decode seams at
 # overlap 2 are >= 29 dB PSNR against the sequential decode (the VAE's own reconstruction error is far
@@ -88,7 +89,8 @@ class WanVAEAdapter(VAEAdapter):
 
         mod = importlib.import_module(f"diffusers.models.autoencoders.{self.blocks_module}")
         names = ("AttentionBlock", "CausalConv3d", "Resample", "ResidualBlock")
-        return tuple(getattr(mod, self.blocks_prefix + n) for n in names) + (getattr(mod, "AvgDown3D", ()),)
+        avg_down = getattr(mod, self.blocks_prefix + "AvgDown3D", None) or getattr(mod, "AvgDown3D", ())
+        return tuple(getattr(mod, self.blocks_prefix + n) for n in names) + (avg_down,)
 
     # --- frame bookkeeping
     def num_units(self, inp, kind):
@@ -175,11 +177,11 @@ class WanVAEAdapter(VAEAdapter):
             if isinstance(mod, WanAttentionBlock):
                 layout.gather.append(mod)
             elif isinstance(mod, WanCausalConv3d):
-                k_h, k_w = mod.kernel_size[1:]
+                k_h, k_w = mod.kernel_size[-2:]  # (t, h, w); Qwen-Image 2.1's 2-D "causal" conv: (h, w)
                 if k_h == 1 and k_w == 1:
                     continue
-                pad = mod._padding  # (w, w, h, h, 2t, 0)
-                if mod.stride[1:] != (1, 1) or pad[2] != pad[3] or 2 * pad[2] + 1 != k_h:
+                pad = mod._padding  # (w, w, h, h, 2t, 0), or (w, w, h, h) for the 2-D one
+                if tuple(mod.stride[-2:]) != (1, 1) or pad[2] != pad[3] or 2 * pad[2] + 1 != k_h:
                     raise NotImplementedError(f"exact parallel VAE: unsupported spatial convolution {name}: {mod}")
                 layout.halo.append((mod, pad[2]))
             elif isinstance(mod, nn.Conv2d):
@@ -224,8 +226,8 @@ def _zero_bias(norm) -> bool:
 def _unpad_rows(mod, causal_conv):
     """Set a spatial convolution's row padding to 0 (the exact mode's halo rows replace it); returns the undo."""
     if isinstance(mod, causal_conv):
-        old = mod._padding  # (w, w, h, h, 2t, 0): F.pad order
-        mod._padding = (old[0], old[1], 0, 0, old[4], old[5])
+        old = mod._padding  # (w, w, h, h, 2t, 0) or (w, w, h, h): F.pad order
+        mod._padding = (old[0], old[1], 0, 0) + tuple(old[4:])
         return lambda: setattr(mod, "_padding", old)
     if isinstance(mod, (nn.Conv2d, nn.Conv3d)):
         old = mod.padding
@@ -241,3 +243,42 @@ class QwenImageVAEAdapter(WanVAEAdapter):
 
     blocks_module = "autoencoder_kl_qwenimage"
     blocks_prefix = "QwenImage"
+
+
+@register_vae_adapter("AutoencoderKLQwenImage21")
+class QwenImage21VAEAdapter(WanVAEAdapter):
+    """Qwen-Image 2.1's VAE (``AutoencoderKLQwenImage21``): Wan2.2's residual VAE (``AvgDown3D`` / ``DupUp3D``
+    shortcuts, per-pixel RMS norms, the mid-block attention, the same resamplers and ``_decode`` / ``_encode``)
+    specialised to images, under its own class names. What differs, and how the Wan layout covers it:
+
+    * ``QwenImage21CausalConv3d`` is an ``nn.Conv2d``: it drops the frame axis, zero-pads ``_padding = (w, w,
+      h, h)`` (no temporal entries) and convolves in 2-D; it refuses a causal cache (``cache_x``), so a call is
+      one latent frame (decode) or one encoder group (encode: at most 4 video frames, of which only the first
+      is encoded). Its halos are those of Wan's 3x3(x3) convs (rows at dim -2 of the 5-D input).
+    * ``AvgDown3D`` / ``DupUp3D`` (``QwenImage21AvgDown3D`` / ``QwenImage21DupUp3D``) are row-local given
+      bands that are multiples of the encoder's downsampling (checked); the resamplers' temporal convolutions
+      never run on a first frame.
+    * ``_patchify`` / ``_unpatchify`` (``patch_size``, None for the released VAE) are row-local and outside
+      the network calls, as Wan's.
+
+    ``exact`` only: an image has one latent frame, so there is nothing to chunk in time (``chunked`` raises a
+    ``ConfigError`` before any collective). Inputs stock diffusers fails on (a second latent frame, more than
+    one encoder group) raise a ``ValueError`` on every rank before any collective.
+    """
+
+    blocks_module = "autoencoder_kl_qwenimage21"
+    blocks_prefix = "QwenImage21"
+    modes = ("exact",)
+
+    def check_input(self, inp, kind):
+        if inp.dim() != 5:
+            raise ValueError(f"AutoencoderKLQwenImage21.{kind}: expected a 5-D (B, C, T, H, W) input, got shape "
+                             f"{tuple(inp.shape)}")
+        frames = inp.shape[2]
+        # stock diffusers hands the second decoder call (encoder group) a causal cache that its 2-D convs refuse
+        calls = frames if kind == "decode" else 1 + (frames - 1) // 4
+        if calls > 1:
+            what = "latent frame" if kind == "decode" else "group of up to 4 video frames (only the first is encoded)"
+            raise ValueError(f"AutoencoderKLQwenImage21.{kind}: the VAE takes one {what}; the input has {frames} "
+                             f"frames (shape {tuple(inp.shape)}); diffusers' 2-D QwenImage21CausalConv3d takes one frame "
+                             "and no causal cache, so the stock VAE fails on it too")

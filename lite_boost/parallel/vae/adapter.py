@@ -138,6 +138,10 @@ class VAEAdapter:
         raise NotImplementedError
 
     # running
+    def check_input(self, inp: torch.Tensor, kind: str) -> None:
+        """Raise (ValueError, naming the input) for a call the VAE cannot take, before the parallel call runs
+        any collective. Default: accept every input (the VAE's own checks run inside the call)."""
+
     def run_chunk(self, inner: Callable, inp: torch.Tensor, chunk: "Chunk", kind: str) -> torch.Tensor:
         """Output frames of ``chunk`` (warm-up done and dropped) with ``inner`` = the wrapped method."""
         raise NotImplementedError

@@ -117,6 +117,7 @@ class ParallelVAE:
         inner = self.inner[kind]
         if self.comm.size == 1:
             return inner(inp, *args, **kwargs)
+        self.adapter.check_input(inp, kind)  # on every rank, before any collective
         if self.mode == "exact":
             ad = self.adapter
             if ad.clip_method(kind) is not None:  # whole independent clips per rank (.clips)

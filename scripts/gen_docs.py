@@ -43,34 +43,50 @@ BENCH_VARIANTS = (("boosted", "dense"), ("sparse", "sparse 0.8"), ("int8", "int8
 
 
 def _bench_records() -> dict[str, dict]:
-    """family -> the committed ``bench_families.py`` result (stock vs dense / sparse / int8 in one run)."""
-    out = {}
+    """family -> the committed ``bench_families.py`` result (stock vs dense / sparse / int8 in one run), and under
+    ``"int8_run"`` a separate stock-vs-int8 run of the same shape (``families_<family>_<size>_int8.json``)."""
+    out, int8_runs = {}, {}
     for path in sorted((ROOT / "benchmarks" / "results").glob("families_*.json")):
         data = json.loads(path.read_text())
         if "rel_l2_error" not in data or path.stem.endswith("_quick"):
             continue  # earlier runs without the int8 variant; quick shapes
-        out[BENCH_FAMILY.get(data["bench"], data["bench"])] = {**data, "file": path.name}
+        family = BENCH_FAMILY.get(data["bench"], data["bench"])
+        (int8_runs if path.stem.endswith("_int8") else out)[family] = {**data, "file": path.name}
+    for family, run in int8_runs.items():
+        out.setdefault(family, {})["int8_run"] = run
     return out
+
+
+def _median(ts):
+    ts = sorted(ts)
+    return ts[len(ts) // 2] if len(ts) % 2 else (ts[len(ts) // 2 - 1] + ts[len(ts) // 2]) / 2
+
+
+def _variant_cells(data: dict, variants=BENCH_VARIANTS, more: str = "") -> list[str]:
+    block = data["times"]["block"]
+    base = _median(block["stock"])
+    cells = []
+    for prefix, title in variants:
+        name = next((k for k in block if k.startswith(prefix)), None)
+        if name is not None:
+            cells.append(f"{title} {base / _median(block[name]):.2f}x (rel. L2 {data['rel_l2_error'][name]:.1e}{more})")
+    return cells
 
 
 def _bench_line(data: dict | None) -> str:
     if data is None:
         return "- CPU block benchmark: not yet measured"
-    block = data["times"]["block"]
-
-    def med(ts):
-        ts = sorted(ts)
-        return ts[len(ts) // 2] if len(ts) % 2 else (ts[len(ts) // 2 - 1] + ts[len(ts) // 2]) / 2
-
-    base = med(block["stock"])
-    cells = []
-    for prefix, title in BENCH_VARIANTS:
-        name = next((k for k in block if k.startswith(prefix)), None)
-        if name is not None:
-            cells.append(f"{title} {base / med(block[name]):.2f}x (rel. L2 {data['rel_l2_error'][name]:.1e})")
-    return (f"- CPU block benchmark (one block at released dims, fp32, {data['threads']} threads, {data['cpu']}; "
-            f"[Per family](../benchmarks/families.md), `benchmarks/results/{data['file'][:-5]}.md`): stock "
-            f"{base:.2f} s; vs stock: {', '.join(cells)}")
+    int8_run = data.get("int8_run")
+    main = data if "times" in data else int8_run
+    cells = _variant_cells(main) if main is not int8_run else []
+    if int8_run is not None and not any(c.startswith("int8") for c in cells):
+        how = f"; int8 products on the {int8_run['int8_path']} path" if int8_run.get("int8_path") else ""
+        cells += _variant_cells(int8_run, (("int8", "int8"),), f"{how}; a separate run vs its own stock "
+                                f"{_median(int8_run['times']['block']['stock']):.2f} s, `benchmarks/results/"
+                                f"{int8_run['file'][:-5]}.md`")
+    return (f"- CPU block benchmark (one block at released dims, fp32, {main['threads']} threads, {main['cpu']}; "
+            f"[Per family](../benchmarks/families.md), `benchmarks/results/{main['file'][:-5]}.md`): stock "
+            f"{_median(main['times']['block']['stock']):.2f} s; vs stock: {', '.join(cells)}")
 
 
 def _cell(text) -> str:

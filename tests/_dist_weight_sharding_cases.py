@@ -8,6 +8,7 @@ assert both the output and the sharding. Many cases share one spawn (start-up is
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -21,6 +22,10 @@ METHODS = ("int8_dynamic", "int8_weight_only")  # the torchao methods the quanti
 
 def _diff(a, b) -> float:
     return (a - b).abs().max().item() if a.shape == b.shape else float("inf")
+
+
+def _rel_l2(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _dtensor_bytes(module):
@@ -295,11 +300,40 @@ def wan_transformer_tp_fsdp(mesh, *, heads=4, grid=(3, 3, 5)):
     return out
 
 
+def _tp_layer_exactness(model, ref_model, names, mesh, run):
+    """Run ``run()`` with every split quantized layer of ``model`` recorded; return how many layers' outputs equal
+    the one-process layer (``ref_model``) on the same (gathered) input bit for bit, and how many were seen.
+    Column-wise: the whole input, this rank's output features. Row-wise: this rank's input features (gathered
+    here), the whole output after the all-reduce."""
+    seen = {}
+    def record(name, module, args, output):
+        if name not in seen:  # the first call (a hook returning nothing leaves the output alone)
+            seen[name] = (args[0].detach().clone(), output.detach().clone())
+
+    handles = [model.get_submodule(n).register_forward_hook(functools.partial(record, n)) for n in names]
+    run()
+    for h in handles:
+        h.remove()
+    equal = 0
+    with torch.no_grad():
+        for n in names:  # the same order on every rank: the gathers below are collectives
+            x, y = seen[n]
+            ref = ref_model.get_submodule(n)
+            if x.shape[-1] != ref.in_features:  # row-wise: this rank's input columns
+                x = mesh.tp.gather(x.contiguous(), -1, op="test_gather")
+            want = ref(x)
+            if y.shape[-1] != want.shape[-1]:  # column-wise: this rank's output features
+                want = want.chunk(mesh.tp.size, -1)[mesh.tp.rank]
+            equal += bool(torch.equal(y, want))
+    return equal, len(seen)
+
+
 def wan_transformer_tp_quant(mesh, *, heads=4, grid=(3, 3, 5)):
-    """Wan T2V transformer quantized (torchao int8 weight-only) under tp 2 against the one-process
-    run of the same quantization: parity, the int8 data and scales split (column-wise layers keep their output
-    rows, row-wise ones their input columns and the whole per-row scale), unparallelize gathering the
-    quantized weight back, unboost restoring the original weights."""
+    """Wan T2V transformer quantized (torchao int8 weight-only and int8 dynamic) under tp 2 against the
+    one-process run of the same quantization: parity (int8 dynamic: every split layer equal to the one-process
+    layer on the same input, the whole output within the int8 noise), the int8 data and scales split (column-wise
+    layers keep their output rows, row-wise ones their input columns and the whole per-row scale), unparallelize
+    gathering the quantized weight back, unboost restoring the original weights."""
     import lite_boost
     from lite_boost.demo import tiny_wan_transformer
     from lite_boost.parallel import ParallelManager, unparallelize
@@ -308,7 +342,9 @@ def wan_transformer_tp_quant(mesh, *, heads=4, grid=(3, 3, 5)):
     x, ctx, kw = _wan_inputs(False, grid)
     steps = (torch.tensor([900.0]), torch.tensor([600.0]))
     out = {}
-    for method in ("int8_weight_only",):  # (int8_dynamic x tp is refused: see the weight-sharding guide)
+    with torch.no_grad():
+        fp32_refs = [lite_boost.boost(tiny_wan_transformer(spec))(x, t, ctx).sample for t in steps]
+    for method in ("int8_weight_only", "int8_dynamic"):
         ref_model = lite_boost.boost(tiny_wan_transformer(spec), {"quant": method})
         model = tiny_wan_transformer(spec)
         ParallelManager(model, {"quant": method, "parallel": {"tp_degree": 2, "timeout_s": TIMEOUT_S}}, mesh=mesh)
@@ -331,6 +367,12 @@ def wan_transformer_tp_quant(mesh, *, heads=4, grid=(3, 3, 5)):
         with torch.no_grad():
             refs = [ref_model(x, t, ctx).sample for t in steps]
             r["diffs"] = [_diff(model(x, t, ctx).sample, ref) for t, ref in zip(steps, refs)]
+            r["int8_vs_fp32"] = [_diff(ref, f) for ref, f in zip(refs, fp32_refs)]
+            outs = [model(x, t, ctx).sample for t in steps]
+            r["rel_l2"] = [_rel_l2(o, ref) for o, ref in zip(outs, refs)]  # tp vs one process, same quantization
+            r["int8_rel_l2"] = [_rel_l2(ref, f) for ref, f in zip(refs, fp32_refs)]  # int8 vs fp32, one process
+            r["tp_fp32_rel_l2"] = [_rel_l2(o, f) for o, f in zip(outs, fp32_refs)]  # tp int8 vs fp32
+        r["layers_exact"] = _tp_layer_exactness(model, ref_model, list(qd), mesh, lambda: model(x, steps[0], ctx))
         unparallelize(model)
         r["unsharded_type"] = type(blk.attn1.to_q.weight).__name__
         r["unsharded_equal"] = all(torch.equal(getattr(model.get_submodule(n).weight, k),

@@ -952,6 +952,9 @@ def _load_pipeline(args, kind, device, dtype, family, offload: bool = False):
         # components saved as None (a pipeline saved without its text encoder, say) load as None
         index = json.loads(Path(args.model, "model_index.json").read_text(encoding="utf-8"))
         absent = {k: None for k, v in index.items() if not k.startswith("_") and v in ([None, None], None)}
+        if "text_encoder" in absent:  # called with the record's prompt embeddings: its stand-ins may fill in
+            record = next((t for t in family.tiny.values() if t.prompt and t.stand_ins), None)
+            absent.update({k: record.stand_in(k) for k in absent if record is not None and k in record.stand_ins})
         pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=dtype, **absent)
         if getattr(pipe, "vae", None) is not None:
             pipe.vae.to(torch.float32)  # the VAEs run in fp32 (as diffusers' video examples do)

@@ -511,6 +511,12 @@ class _TinyQwen21Processor:
         return [[0] * 4]
 
 
+def qwen21_stand_in_processor() -> _TinyQwen21Processor:
+    """What ``QwenImage21Pipeline.__init__`` reads of its processor (the system-prompt length), for a pipeline
+    folder saved without processor and text encoder (called with prompt embeddings); it encodes nothing."""
+    return _TinyQwen21Processor()
+
+
 def tiny_qwen_image21_pipeline(spec: TinyQwenImage21Spec = TinyQwenImage21Spec(), *, seed: int = 0,
                                dtype=torch.float32):
     """A ``QwenImage21Pipeline`` of random weights: ``spec``'s transformer, a 16x ``AutoencoderKLQwenImage21``

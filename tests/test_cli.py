@@ -207,6 +207,10 @@ def test_family_records_declare_the_cli_hints_and_refuse_bad_ones():
         TinyPipeline("XPipeline", builder="m.build", shape=(32, 32, None))
     with pytest.raises(ValueError, match=r"shape must be \(height, width, num_frames or None\)"):
         TinyPipeline("XPipeline", builder="m:b", shape=(32, 32))
+    with pytest.raises(ValueError, match=r"stand_ins\['processor'\] must be a 'package.module:function' reference"):
+        TinyPipeline("XPipeline", builder="m:b", shape=(32, 32, None), prompt="m:p", stand_ins={"processor": "p"})
+    with pytest.raises(ValueError, match="stand_ins need prompt"):
+        TinyPipeline("XPipeline", builder="m:b", shape=(32, 32, None), stand_ins={"processor": "m:p"})
 
 
 def test_guidance_scale_a_pipeline_cannot_take_is_refused_before_loading(tmp_path):
@@ -392,13 +396,17 @@ def saved_newer_family_pipelines(tmp_path_factory):
     from PIL import Image
 
     import _tiny_wan_derived as wan_derived
-    from lite_boost.demo import demo_flux2_pipeline, demo_ltx2_pipeline, demo_minimax_h3_pipeline
+    from lite_boost.demo import (demo_flux2_pipeline, demo_ltx2_pipeline, demo_minimax_h3_pipeline,
+                                 demo_qwen_image21_pipeline)
 
     root = tmp_path_factory.mktemp("newer")
     demo_flux2_pipeline("t2i").save_pretrained(root / "flux2")  # no text encoder: random prompt embeddings
     demo_ltx2_pipeline("t2v").save_pretrained(root / "ltx2")
     for family in ("skyreels-v2", "wan-vace", "chronoedit", "wan-animate"):
         wan_derived.pipeline(family).save_pretrained(root / family)
+    # saved without text encoder and processor (model_index.json: [null, null]): loaded with the family's stand-in
+    # processor, called with random prompt embeddings
+    demo_qwen_image21_pipeline("t2i").save_pretrained(root / "qwen-image-2.1")
     # a modular pipeline (modular_model_index.json), saved without its text encoder: random prompt embeddings
     demo_minimax_h3_pipeline().save_pretrained(str(root / "minimax-h3"), overwrite_modular_index=True)
     rng = np.random.RandomState(0)
@@ -427,6 +435,8 @@ NEWER_MODEL_RUNS = {  # folder -> (pipeline class, kind, output, flags; paths re
     "chronoedit": ("ChronoEditPipeline", "i2v", "video", ["--num-frames", "5", "--image", "image.png"]),
     "wan-animate": ("WanAnimatePipeline", "i2v", "video", ["--image", "image.png", "--input", "pose_video=pose",
                                                            "--input", "face_video=face"]),
+    "qwen-image-2.1": ("QwenImage21Pipeline", "t2i", "image", ["--height", "64", "--width", "96",
+                                                               "--guidance-scale", "4"]),
     # 124 frames (5 s at 24 fps, the shortest it makes: its own default), 8 x 8 latent, video + audio
     "minimax-h3": ("MiniMaxH3ModularPipeline", "t2v", "video", ["--height", "32", "--width", "32"]),
 }

@@ -79,6 +79,9 @@ class TinyPipeline:
         when the built pipeline has no text encoder (random prompt embeddings), or None (``prompt`` /
         ``negative_prompt`` strings).
     default: this is the run of a bare ``lite-boost generate`` (exactly one registered tiny pipeline says so).
+    stand_ins: component name -> ``"module:function"``; ``function() -> object``: what a pipeline folder saved
+        without that component (and without a text encoder: called with ``prompt``'s embeddings) is created with,
+        where diffusers cannot create the pipeline with None (a stand-in of what its ``__init__`` reads).
     """
 
     pipeline: str
@@ -89,6 +92,7 @@ class TinyPipeline:
     describe: str | None = None
     prompt: str | None = None
     default: bool = False
+    stand_ins: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         owner = f"TinyPipeline {self.pipeline!r}"
@@ -97,6 +101,15 @@ class TinyPipeline:
         _check_ref(owner, "builder", self.builder)
         _check_ref(owner, "describe", self.describe, optional=True)
         _check_ref(owner, "prompt", self.prompt, optional=True)
+        if not isinstance(self.stand_ins, Mapping) or not all(isinstance(k, str) for k in self.stand_ins):
+            raise ValueError(f"{owner}: stand_ins must map component names to 'package.module:function' references, "
+                             f"got {self.stand_ins!r}")
+        for name, ref in self.stand_ins.items():
+            _check_ref(owner, f"stand_ins[{name!r}]", ref)
+        if self.stand_ins and self.prompt is None:
+            raise ValueError(f"{owner}: stand_ins need prompt (a pipeline created with stand-ins is called with "
+                             "prompt embeddings)")
+        object.__setattr__(self, "stand_ins", dict(self.stand_ins))
         shape = tuple(self.shape)
         if (len(shape) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in shape[:2])
                 or not (shape[2] is None or (isinstance(shape[2], int) and shape[2] > 0))):
@@ -116,6 +129,10 @@ class TinyPipeline:
 
     def prompt_kwargs(self, pipe, *, cfg: bool, seed: int) -> dict | None:
         return resolve_ref(self.prompt)(pipe, cfg=cfg, seed=seed) if self.prompt is not None else None
+
+    def stand_in(self, name: str):
+        """A new stand-in for the component ``name`` (:attr:`stand_ins`)."""
+        return resolve_ref(self.stand_ins[name])()
 
 
 @dataclass(frozen=True)

@@ -242,7 +242,8 @@ QWEN_IMAGE_21 = register_family(ModelFamily(
     # (no text encoder), 10 steps, dense (lite_boost.demo.DEMO_QWEN21_*)
     tiny={"t2i": TinyPipeline("QwenImage21Pipeline", builder="lite_boost.demo:demo_qwen_image21_pipeline",
                               shape=(512, 512, None), steps=10, describe="lite_boost.demo:describe_qwen_image21_demo",
-                              prompt="lite_boost.demo:qwen21_demo_prompt")},
+                              prompt="lite_boost.demo:qwen21_demo_prompt",
+                              stand_ins={"processor": "lite_boost.demo:qwen21_stand_in_processor"})},
 ))
 
 boost_qwen_image_21_transformer = QWEN_IMAGE_21.boost_transformer

@@ -198,6 +198,7 @@ def boost_model(family, model, config: BoostConfig | None = None, onload_device=
         if proc.is_self_attention and isinstance(proc.attn_fn, DenseAttention):
             proc.attn_fn.precision = config.attention.precision
         proc.text_first = family.joint != "image_first"
+        proc.state = state
         state.original_processors[name] = module.processor
         state.processors[name] = proc
         module.set_processor(proc)

@@ -74,6 +74,9 @@ class LiteBoostProcessor:
         backend: dense attention backend name or None (automatic).
 
     ``text_first`` (joint role) is set from the family's ``joint`` layout when the processor is installed.
+    ``state``: the :class:`~lite_boost.adapter.BoostState` of the model it is installed in (set by
+    ``boost_model``; None outside one), for a shim that reads facts of the call in progress
+    (``state.call``) or this rank's token range (``state.serve_range``).
     """
 
     # diffusers' AttentionModuleMixin.set_attention_backend / parallel config write these.
@@ -87,6 +90,7 @@ class LiteBoostProcessor:
         self.role = role
         self.backend = backend
         self.text_first = True
+        self.state = None
         self.attn_fn: Callable[..., torch.Tensor] = DenseAttention(backend)
 
     @property

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 120
 SPARSE = {"sparse_type": "rf_v2", "sparsity": 0.8, "block_size": 4}
 ASYNC = dict(num_frames=17, base_num_frames=17, causal_block_size=2, ar_step=1)
+ANIMATE_140 = dict(height=80, width=112, num_frames=9)  # Wan Animate: reference + 3 latent frames of 5 x 7 tokens
 
 # name -> (family, pipeline kind, layout(world) -> parallel degrees, sparse config or None, call overrides, worlds)
 CASES = {
@@ -42,8 +43,20 @@ CASES = {
     "vace_ulysses": ("wan-vace", None, lambda w: {"ulysses_degree": w}, None, dict(height=80, width=112), (3,)),
     "vace_ring_sparse08": ("wan-vace", None, lambda w: {"ring_degree": w}, SPARSE, dict(num_frames=9), (2,)),
     "vace_cfg2": ("wan-vace", None, lambda w: {"cfg_degree": 2}, None, dict(output_type="pt"), (2,)),
-    # Wan Animate: CFG parallel (the uncond pass blanks the face video); no sequence parallelism (refused)
+    # Wan Animate: CFG parallel (the uncond pass blanks the face video)
     "animate_cfg2": ("wan-animate", None, lambda w: {"cfg_degree": 2}, None, dict(output_type="pt"), (2,)),
+    # Wan Animate under sequence parallelism: the face adapter on each rank's shard, shards cutting frames mid-way:
+    # 3 frames of 3 x 5 = 45 tokens -> 23 + 22 (+1 padding) at 2 ranks, 4 x 12 (+3) at 4; 4 frames of 5 x 7 =
+    # 140 tokens -> 3 x 47 (+1) at 3 ranks
+    "animate_ulysses": ("wan-animate", None, lambda w: {"ulysses_degree": w}, None, {}, (2,)),
+    "animate_ring": ("wan-animate", None, lambda w: {"ring_degree": w}, None, {}, (2,)),
+    "animate_ulysses3": ("wan-animate", None, lambda w: {"ulysses_degree": w}, None, ANIMATE_140, (3,)),
+    "animate_ring3": ("wan-animate", None, lambda w: {"ring_degree": w}, None, ANIMATE_140, (3,)),
+    "animate_ring_sparsity0": ("wan-animate", None, lambda w: {"ring_degree": w}, {**SPARSE, "sparsity": 0.0}, {},
+                               (2,)),  # against stock (dense)
+    "animate_ring_sparse08": ("wan-animate", None, lambda w: {"ring_degree": w}, SPARSE, {}, (2,)),
+    "animate_u2r2": ("wan-animate", None, lambda w: {"ulysses_degree": 2, "ring_degree": 2}, None, {}, (4,)),
+    "animate_cfg2_ulysses2": ("wan-animate", None, lambda w: {"cfg_degree": 2, "ulysses_degree": 2}, None, {}, (4,)),
 }
 
 
@@ -60,7 +73,7 @@ def run_case(name, world, mesh_for):
     ref_pipe = tiny.pipeline(family, kind)
     if name.endswith("_refused"):
         ref_pipe = None
-    elif sparse is not None:
+    elif sparse is not None and sparse["sparsity"] > 0:  # (sparsity 0: against stock, dense)
         lite_boost.boost(ref_pipe, {"sparse": sparse})
     ref = None if ref_pipe is None else ref_pipe(**tiny.call_kwargs(family, kind, **over)).frames
     pipe = tiny.pipeline(family, kind)
@@ -75,7 +88,14 @@ def run_case(name, world, mesh_for):
             lite_boost.parallel.unparallelize(pipe)
             return {"refused": str(exc)}
         return {"error": "not refused"}
-    got = pipe(**tiny.call_kwargs(family, kind, **over)).frames
+    runs = set()  # Wan Animate: (tokens the face adapter got, tokens of the whole sequence)
+    probe = None if family != "wan-animate" else pipe.transformer.face_adapter[0].register_forward_pre_hook(
+        lambda mod, args: runs.add((args[0].shape[1], pipe.transformer._lite_boost.call)))
+    try:
+        got = pipe(**tiny.call_kwargs(family, kind, **over)).frames
+    finally:
+        if probe is not None:
+            probe.remove()
     models = [m for m in (pipe.transformer, getattr(pipe, "transformer_2", None)) if m is not None]
     cfg = [dict(m._lite_boost.extras["parallel"].cfg.calls) for m in models
            if m._lite_boost.extras["parallel"].cfg is not None]
@@ -85,7 +105,8 @@ def run_case(name, world, mesh_for):
         paths = sorted({e.path for e in st.events})
     lite_boost.parallel.unparallelize(pipe)
     return {"maxdiff": (got - ref).abs().max().item() if got.shape == ref.shape else math.inf,
-            "ref_abs": ref.abs().max().item(), "cfg_calls": cfg, "sparse_paths": paths}
+            "ref_abs": ref.abs().max().item(), "cfg_calls": cfg, "sparse_paths": paths, "face_runs": sorted(runs),
+            "sequence_degree": par.get("ulysses_degree", 1) * par.get("ring_degree", 1)}
 
 
 def run_all(rank, world_size, init_method, names):

@@ -3,7 +3,9 @@
 Each family's tiny pipeline (``_tiny_wan_derived``: 3 heads, odd token planes, CFG on) boosted = stock within
 1e-5 (fp32), and back to stock after unboost; the transformer alone at awkward shapes (batch 2, odd grids);
 sparsity 0 = dense and 0.8 skips blocks; the offered step cache = the same diffusers hook on stock; no graph
-break; ``ParallelManager`` at 2 and 3 gloo ranks (Ulysses, Ring, Ring x sparse, CFG) = one process.
+break; Wan Animate's face adapter on any run of tokens (a shard cut mid-frame, padding) = diffusers' on the whole
+sequence; ``ParallelManager`` at 2, 3 and 4 gloo ranks (Ulysses, Ring, Ulysses x Ring, Ring x sparse, CFG,
+CFG x Ulysses) = one process.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import lite_boost
 from _dist_utils import run_ranks
 from lite_boost.config import BoostConfig, ConfigError, SparseConfig
 from lite_boost.models.wan import LiteBoostWanAttnProcessor
+from lite_boost.models.wan_animate import LiteBoostWanAnimateFaceProcessor
 
 TOL = 1e-5
 # (family, pipeline kind, call overrides): awkward token grids
@@ -66,7 +69,7 @@ CACHES = {"skyreels-v2": ("t2v", "taylorseer_cache", {"cache_interval": 2, "disa
                                                      "taylor_factors_dtype": "float32"}, _taylorseer)}
 # family -> direct transformer calls: (frames, per-frame timesteps)
 FRAMES = {"chronoedit": ((2, False), (3, False)), "skyreels-v2": ((3, False), (3, True)), "wan-vace": ((3, False),),
-          "wan-animate": ((3, False),)}
+          "wan-animate": ((3, False), (4, False))}
 
 
 def _frames(pipe, family, kind=None, **over):
@@ -80,7 +83,10 @@ def test_boosted_pipeline_matches_stock(family, kind, over):
     assert lite_boost.boost(pipe) is pipe
     state = pipe.transformer._lite_boost
     assert state.family.name == family
-    assert all(isinstance(p, LiteBoostWanAttnProcessor) for p in state.processors.values())
+    face = {n for n in state.processors if n.startswith("face_adapter.")}  # Wan Animate's face adapter
+    assert all(isinstance(p, LiteBoostWanAnimateFaceProcessor if n in face else LiteBoostWanAttnProcessor)
+               for n, p in state.processors.items())
+    assert len(face) == len(getattr(pipe.transformer, "face_adapter", ()))
     blocks = len(pipe.transformer.blocks) + len(getattr(pipe.transformer, "vace_blocks", ()))  # VACE's context blocks
     assert sorted(p.layer_idx for p in state.self_attention_processors) == list(range(blocks))
     boosted = _frames(pipe, family, kind, **over)
@@ -157,15 +163,48 @@ def test_explain_reports_no_graph_break_with_sparse(family, frames, per_frame, f
     assert report.graph_break_count == 0 and report.graph_count == 1, reasons
 
 
-def test_wan_animate_sequence_parallel_is_refused_before_any_collective(monkeypatch):
-    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):
-        monkeypatch.setenv(name, value)
-    pipe = tiny.pipeline("wan-animate")
-    from lite_boost.parallel.plan import PlanError
-
-    with pytest.raises(PlanError, match=r"WanAnimateTransformer3DModel has no sequence-parallel sharding plan"):
-        lite_boost.ParallelManager(pipe, {"parallel": {"ulysses_degree": 2}})
-    assert not lite_boost.api.is_boosted(pipe) and not torch.distributed.is_initialized()
+def test_wan_animate_face_adapter_on_any_run_of_tokens_equals_diffusers_on_the_whole(fresh_dynamo):
+    """The face adapter shim on the shard [start, stop) of P ranks (cut mid-frame; the last with padding rows, or
+    padding only) = the slice of diffusers' processor on the whole sequence; the whole = diffusers' bit for bit;
+    no graph break on a shard."""
+    model = tiny.transformer("wan-animate")
+    face, stock = model.face_adapter[0], model.face_adapter[0].processor
+    frames, frame_len, batch = 4, 35, 2
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(batch, frames * frame_len, face.inner_dim, generator=g)
+    motion = torch.randn(batch, frames, 3, face.inner_dim, generator=g)
+    total = frames * frame_len
+    with torch.no_grad():
+        whole = face(hidden, motion)
+        lite_boost.boost(model)
+        state = model._lite_boost
+        assert isinstance(face.processor, LiteBoostWanAnimateFaceProcessor) and face.processor.state is state
+        assert torch.equal(face(hidden, motion), whole)  # outside a call: the whole sequence
+        state.call = total  # as the family's call_context sets it during a transformer call
+        assert torch.equal(face(hidden, motion), whole)
+        for ranks in (2, 3, 6, 29, 141):  # 141: ranks of padding only
+            shard = -(-total // ranks)
+            padded = torch.cat([hidden, torch.zeros(batch, shard * ranks - total, face.inner_dim)], dim=1)
+            for rank in range(ranks):
+                start = rank * shard
+                state.rope_range = lambda n, start=start: (start, start + shard)
+                out = face(padded[:, start:start + shard], motion)
+                real = max(0, min(shard, total - start))
+                assert out.shape == (batch, shard, face.inner_dim)
+                if real:
+                    assert (out[:, :real] - whole[:, start:start + real]).abs().max().item() <= 1e-6
+        state.rope_range = lambda n: (47, 94)  # rank 1 of 3: frames 1 (from its 13th token) to 2 (to its 24th)
+        report = torch._dynamo.explain(face)(hidden[:, 47:94], motion)
+        assert report.graph_break_count == 0 and report.graph_count == 1, report.break_reasons
+        state.rope_range = lambda n: (0, 2)
+        with pytest.raises(RuntimeError, match=r"face adapter 0: got 5 video tokens, expected 2"):
+            face(hidden[:, :5], motion)
+        state.rope_range, state.call = None, total + 1
+        with pytest.raises(ValueError, match=r"141 video tokens do not split into the motion vector's 4 frames"):
+            face(torch.cat([hidden, hidden[:, :1]], dim=1), motion)
+        state.call = None
+    lite_boost.unboost(model)
+    assert face.processor is stock
 
 
 # --------------------------------------------------------------------------------------------- parallel
@@ -178,7 +217,7 @@ def _results(world):
     return _RESULTS[world]
 
 
-@pytest.mark.parametrize("world, case", [(w, c) for w in (2, 3) for c in dist_cases.cases_for(w)])
+@pytest.mark.parametrize("world, case", [(w, c) for w in (2, 3, 4) for c in dist_cases.cases_for(w)])
 def test_parallel_matches_one_process(world, case):
     for rank, res in enumerate(_results(world)):
         r = res[case]
@@ -191,3 +230,8 @@ def test_parallel_matches_one_process(world, case):
             assert all(c["deferred"] == c["computed"] > 0 for c in r["cfg_calls"]), r
         if "sparse" in case:
             assert r["sparse_paths"] == ["sparse"], r
+        if "sparsity0" in case:  # the sparse path ran, and ran dense
+            assert r["sparse_paths"] == ["dense"], r
+        if case.startswith("animate_") and r["sequence_degree"] > 1:  # the face adapter ran on this rank's shard
+            assert r["face_runs"] and all(local == -(-total // r["sequence_degree"]) < total
+                                          for local, total in r["face_runs"]), r

@@ -1475,20 +1475,10 @@ def _add_plan_parser(sub) -> None:
                       help="fraction of the device memory kept free for the framework and the allocator (0.1)")
 
 
-def plan_available(family) -> dict:
-    """What this installation can apply of each planned feature (ParallelConfig's fields, the family's CFG)."""
-    import dataclasses
-
-    from lite_boost.config import ParallelConfig
-
-    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
-    return {"tp": "tp_degree" in fields, "fsdp": "fsdp_degree" in fields,
-            "cfg": family is None or family.supports("cfg_parallel"), "offload": True}
-
-
 def plan_command(args) -> int:
     from lite_boost.config import ConfigError, parse_bytes
     from lite_boost.memory import DTYPE_BYTES, dims_for_family, dims_for_model_dir, format_plan, plan_layouts, token_count
+    from lite_boost.plan import planner_features
 
     def bad(msg):
         raise SystemExit(f"lite-boost plan: {msg}")
@@ -1522,8 +1512,9 @@ def plan_command(args) -> int:
         bad(str(exc))
     shape = (args.num_frames or shape[0], args.height or shape[1], args.width or shape[2])
     tokens = token_count(dims, *shape)
+    available, switches = planner_features(family)
     plan = plan_layouts(dims, args.nproc, tokens, memory, headroom=args.headroom, shape=shape,
-                        available=plan_available(family))
+                        available=available, **switches)
     print(format_plan(plan))
     return 0
 

@@ -42,7 +42,7 @@ from .registry import UnsupportedModelError, families, lookup, names_where
 
 __all__ = ["Plan", "Step", "Draft", "STEPS", "make_plan", "check_one_process", "check_weight_sharding",
            "memory_plan", "auto_layout",
-           "tensor_parallel_plan", "PlanError", "ConfigError", "UnsupportedModelError",
+           "tensor_parallel_plan", "planner_features", "PlanError", "ConfigError", "UnsupportedModelError",
            "DEFAULT_OPTION_NAMES", "PLANNER_ERRORS", "EXIT_CODES", "exit_code"]
 
 # How the planner names an option in its refusals (the command line passes its flags instead).
@@ -257,12 +257,30 @@ def memory_plan(target, config: BoostConfig | Mapping | Any, world_size: int, *,
     if memory is None:
         raise ConfigError("layout='auto' needs parallel.device_memory (e.g. '24GiB') on the CPU: there is no device "
                           "memory to read")
-    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
-    sequence_ok = family is None or family.supports("sequence_parallel")
-    available = {"tp": "tp_degree" in fields, "fsdp": "fsdp_degree" in fields,
-                 "cfg": is_pipe and family.supports("cfg_parallel"), "offload": True}
+    available, switches = planner_features(family, is_pipe=is_pipe, model=models[0])
     return plan_layouts(dims, world_size, token_count(dims, *shape), memory, shape=shape, available=available,
-                        ring=sequence_ok, backend=par.backend or _default_backend(device))
+                        backend=par.backend or _default_backend(device), **switches)
+
+
+def planner_features(family, *, is_pipe: bool = True, model=None) -> tuple[dict, dict]:
+    """(available, switches) for :func:`lite_boost.memory.plan_layouts`: what this installation can apply of each
+    planned feature (ParallelConfig's fields, the family's CFG), and which layouts the model can take at all
+    (Ring / Ulysses beyond the heads only with sequence parallelism; tensor parallelism only with a plan: the
+    family record's, else the model's diffusers ``_tp_plan``; a family-less target without a model is given
+    the benefit of the doubt)."""
+    import dataclasses
+
+    from .config import ParallelConfig
+
+    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+    if family is not None:
+        tp_plan = family.tensor_parallel is not None or (model is not None and tensor_parallel_plan(model, family))
+    else:
+        tp_plan = model is None or tensor_parallel_plan(model) is not None
+    available = {"tp": "tp_degree" in fields, "fsdp": "fsdp_degree" in fields,
+                 "cfg": is_pipe and (family is None or family.supports("cfg_parallel")), "offload": True}
+    switches = {"ring": family is None or family.supports("sequence_parallel"), "tp": bool(tp_plan)}
+    return available, switches
 
 
 def auto_layout(target, config: BoostConfig | Mapping | Any, world_size: int, *, device=None,

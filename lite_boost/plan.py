@@ -273,10 +273,15 @@ def planner_features(family, *, is_pipe: bool = True, model=None) -> tuple[dict,
     from .config import ParallelConfig
 
     fields = {f.name for f in dataclasses.fields(ParallelConfig)}
-    if family is not None:
-        tp_plan = family.tensor_parallel is not None or (model is not None and tensor_parallel_plan(model, family))
+    if model is not None:
+        tp_plan = tensor_parallel_plan(model, family) is not None
+    elif family is not None:  # no module at hand (lite-boost plan --family): the record's, else diffusers' class plan
+        import diffusers
+
+        tp_plan = family.tensor_parallel is not None or any(
+            getattr(getattr(diffusers, name, None), "_tp_plan", None) is not None for name in family.transformers)
     else:
-        tp_plan = model is None or tensor_parallel_plan(model) is not None
+        tp_plan = True
     available = {"tp": "tp_degree" in fields, "fsdp": "fsdp_degree" in fields,
                  "cfg": is_pipe and (family is None or family.supports("cfg_parallel")), "offload": True}
     switches = {"ring": family is None or family.supports("sequence_parallel"), "tp": bool(tp_plan)}

@@ -597,6 +597,11 @@ def _video_family(name, heads=4):
 
         spec = mm.TinyMiniMaxSpec(heads=heads)
         return (lambda: mm.transformer(spec), [mm.transformer_inputs(spec)], ("transformer_blocks.1.attn",))
+    if name == "wan_animate":  # Wan's blocks split, the face adapter (after block 0) whole on every rank
+        import _tiny_wan_derived as wd
+
+        return (lambda: wd.transformer("wan-animate", num_attention_heads=heads),
+                [wd.transformer_inputs("wan-animate", frames=3, batch=2)], ("blocks.0.attn1", "blocks.1.attn2"))
     raise KeyError(name)
 
 
@@ -673,7 +678,7 @@ CASES = {
                         lambda mesh: qwen_pipeline(mesh, {"cfg_degree": 2, "fsdp_degree": 2})),
     # video families whose record carries the plan (a world-2 spawn of their own: test_tensor_parallel_video_families)
     **{f"{f}_tp2": ({"tp_degree": 2}, lambda mesh, f=f: video_transformer_tp(mesh, f))
-       for f in ("hunyuan", "hunyuan15", "ltx", "cogvideox", "minimax_h3")},
+       for f in ("hunyuan", "hunyuan15", "ltx", "cogvideox", "minimax_h3", "wan_animate")},
     "ltx_i2v_pipeline_tp2": ({"tp_degree": 2}, lambda mesh: ltx_pipeline_tp(mesh)),
     # world 4: tp 2 x fsdp 2 (Ulysses 2): FSDP's removal gathers the packed single-block proj_out first
     "hunyuan_tp2_fsdp2": ({"tp_degree": 2, "fsdp_degree": 2}, lambda mesh: video_transformer_tp(

@@ -268,19 +268,19 @@ def test_predicted_call_peak_is_within_15_percent_of_the_measured_one():
 
 
 def test_planner_lists_only_the_layouts_a_family_can_take(capsys):
-    """Tensor-parallel layouts need a tp plan (Wan Animate's record has none and tp_degree > 1 is refused for it):
-    the planner neither lists nor recommends them there, for the CLI and for layout='auto' alike; Wan's record
-    has one."""
+    """Tensor-parallel layouts need a tp plan: the family record's (Wan) or diffusers' class plan (Flux); LTX-2 has
+    neither and its tp_degree > 1 is refused, so the planner neither lists nor recommends them there, for the
+    CLI and for layout='auto' alike."""
     from lite_boost.cli import main
     from lite_boost.plan import planner_features
     from lite_boost.registry import families
 
     fams = {f.name: f for f in families()}
-    assert planner_features(fams["wan"])[1] == {"ring": True, "tp": True}
-    assert planner_features(fams["wan-animate"])[1] == {"ring": True, "tp": False}
+    for name, has_tp in (("wan", True), ("flux", True), ("ltx2", False)):
+        assert planner_features(fams[name])[1] == {"ring": True, "tp": has_tp}, name
     assert planner_features(None)[1] == {"ring": True, "tp": True}  # a family-less target without a model
-    for name, has_tp in (("wan-animate", False), ("wan", True)):
+    for name, has_tp in (("ltx2", False), ("wan", True)):
         assert main(["plan", "--family", name, "--nproc", "4", "--device-memory", "24GiB"]) == 0
         rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[3:] if line[:1].isalpha()]
-        assert rows and any("ulysses4" in r for r in rows), rows
+        assert rows and any("ulysses" in r for r in rows), rows
         assert any("tp" in r for r in rows) == has_tp, (name, rows)

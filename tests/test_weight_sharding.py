@@ -28,7 +28,7 @@ CASES_2 = ["wan_i2v_fsdp2_ulysses2", "wan_i2v_fsdp2_ring2", "wan_i2v_tp2", "wan2
            "flux_tp2"]
 CASES_OFFLOAD = ["wan_i2v_fsdp2_offload", "wan_fsdp2_offload_pipeline"]
 CASES_4 = ["wan_i2v_tp2_ulysses2", "wan_cfg2_ulysses2_fsdp2"]
-VIDEO_TP = ["hunyuan_tp2", "hunyuan15_tp2", "ltx_tp2", "cogvideox_tp2", "minimax_h3_tp2"]  # video families' own plans
+VIDEO_TP = ["hunyuan_tp2", "hunyuan15_tp2", "ltx_tp2", "cogvideox_tp2", "minimax_h3_tp2", "wan_animate_tp2"]  # video families' own plans
 CASES_QUANT = ["wan_fsdp2_quant", "wan_tp2_quant"]  # quantized weights
 SPAWNS = {2: (2, CASES_2), 4: (4, CASES_4), "tp_fsdp": (4, ["wan_i2v_tp2_fsdp2", "wan_cfg2_tp2_fsdp2"]),
           "offload": (2, CASES_OFFLOAD), "video_tp": (2, VIDEO_TP + ["ltx_i2v_pipeline_tp2"]),

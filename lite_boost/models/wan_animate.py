@@ -26,7 +26,8 @@ from ..cache import CacheAdapter
 from ..ops.attention import attention
 from ..parallel.plan import CfgPlan, PipelinePlan
 from ..registry import register_family
-from .wan import WAN, WAN_CACHE_ADAPTER, WAN_SHARDING_PLAN, CachedWanRope, _qkv, _rope_matches_cache, _token_grid
+from .wan import (WAN, WAN_CACHE_ADAPTER, WAN_SHARDING_PLAN, WAN_TP_PLAN, CachedWanRope, _qkv, _rope_matches_cache,
+                  _token_grid)
 
 __all__ = ["WAN_ANIMATE", "LiteBoostWanAnimateFaceProcessor"]
 
@@ -113,6 +114,7 @@ WAN_ANIMATE = register_family(ModelFamily(
     call_context=_token_count,
     sharding=WAN_SHARDING_PLAN,  # the face adapter runs on each rank's shard
     pipeline=PipelinePlan(cfg=CfgPlan()),
+    tensor_parallel=WAN_TP_PLAN,  # the blocks' heads and FFN; the face adapter whole on every rank (full tokens)
     cache=CacheAdapter(
         methods=("taylorseer_cache", "pyramid_attention_broadcast"),
         defaults=WAN_CACHE_ADAPTER.defaults,

@@ -21,7 +21,8 @@ the same over groups of video frames. This module spreads that work over the ran
     on its horizontal band of the input. Before every convolution with a spatial extent the ranks
     swap the boundary rows the kernel needs (one packed all_to_all per convolution, carrying the
     input and its causal cache together); modules that mix all positions (the mid-block attention)
-    see the gathered full input and keep their band of the output; the call's output bands are
+    see the gathered full input and keep their band of the output; GroupNorms take their statistics over
+    every band (one small all-gather each, :mod:`.norms`); the call's output bands are
     gathered at the end. Each rank keeps the causal cache of its own band only, so the temporal
     loop, the frame bookkeeping and the VAE's own spatial tiling (each tile is split the same way)
     are the model's own code, untouched. Each band's convolution runs with the CPU kernel PyTorch
@@ -44,7 +45,7 @@ need halos) lives in a per-model :class:`VAEAdapter` registered with :func:`regi
 
 One module per job: :mod:`.adapter` (the adapter API, its registry, the modes), :mod:`.chunks`
 (chunk planning and the chunked run), :mod:`.spatial` (the exact mode's row bands and halos), :mod:`.clips`
-(the exact mode by whole independent clips),
+(the exact mode by whole independent clips), :mod:`.norms` (GroupNorm over row bands),
 :mod:`.collectives` (the collectives and their errors), :mod:`.runner` (install / dispatch / remove).
 """
 
@@ -53,6 +54,7 @@ from .adapter import (VAE_GATHER, VAE_MODES, SpatialLayout, UnsupportedVAEError,
 from .chunks import Chunk, ChunkPlan, plan_chunks
 from .clips import ClipPlan, plan_clips
 from .collectives import VAECollectiveError
+from .norms import distributed_group_norm
 from .runner import ParallelVAE, parallel_vae_state, parallelize_vae, unparallelize_vae
 from .spatial import split_rows
 
@@ -68,6 +70,7 @@ __all__ = [
     "VAEAdapter",
     "VAECollectiveError",
     "check_vae_mode",
+    "distributed_group_norm",
     "parallel_vae_state",
     "parallelize_vae",
     "plan_chunks",

@@ -91,6 +91,9 @@ class SpatialLayout:
     reflect: halo modules whose row padding reflects the rows next to the edge (``F.pad(mode="reflect")``):
         at the image's top and bottom edges their halo rows are the band's rows 1.. mirrored (with ``unpad``
         they stand in for that padding exactly). Not for ``pairs``.
+    group_norm: ``nn.GroupNorm`` modules whose statistics span all rows: in a split call each one computes its
+        groups' statistics over every rank's band (one small all-gather, :mod:`.norms`) and normalises its own
+        band; inside a ``gather`` module (which sees the gathered input) it runs as is.
     band_random: modules that draw random tensors shaped like their input's frame (``torch.randn`` /
         ``torch.rand`` with the rows at dim -2, e.g. a decoder's noise injection): in a split call such
         a draw of the band's rows draws the whole frame's (the same random stream as one process, given
@@ -107,6 +110,7 @@ class SpatialLayout:
     replicate: list = field(default_factory=list)  # [halo module]
     reflect: list = field(default_factory=list)  # [halo module]
     band_random: list = field(default_factory=list)  # [module]
+    group_norm: list = field(default_factory=list)  # [nn.GroupNorm]
 
 
 class VAEAdapter:

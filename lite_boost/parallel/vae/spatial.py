@@ -3,8 +3,8 @@
 :class:`_SpatialSplit` hooks the modules a :class:`~.adapter.SpatialLayout` names for the duration of one
 VAE call: the root splits its input rows (:func:`split_rows`) and gathers the output; halo modules get
 their neighbours' boundary rows (one packed all_to_all each, optionally overlapped with the band's
-inner rows); modules that mix all positions see the gathered input; frame-shaped random draws draw the
-whole frame; each band's convolution runs with the kernel PyTorch would pick for the full frame.
+inner rows); modules that mix all positions see the gathered input; GroupNorms take their statistics over
+every band (:mod:`.norms`); frame-shaped random draws draw the whole frame; each band's convolution runs with the kernel PyTorch would pick for the full frame.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from ...config import ConfigError
 from .adapter import SpatialLayout
 from .collectives import _Collectives
+from .norms import _group_norm
 
 __all__ = ["split_rows", "band_sizes_out"]
 
@@ -180,6 +181,7 @@ class _SpatialSplit:
         self.onednn: dict[tuple, bool] = {}  # (id(conv), band input shape, full rows) -> run the band with oneDNN
         self.replicate = {id(m) for m in layout.replicate}  # halo modules with replicate row padding
         self.reflect = {id(m) for m in layout.reflect}  # halo modules with reflect row padding
+        self.gathered = 0  # gather modules running now (their GroupNorms see the gathered input: run as is)
 
     # --- root: split the input rows, gather the output rows
     def _root_forward(self, inner):
@@ -350,16 +352,28 @@ class _SpatialSplit:
             return None
         x = args[0]
         sizes = self.band.sizes_like(x.shape[self.DIM], self.coll.comm.rank)
-        return (self.coll.gather_rows(x, self.DIM, sizes),) + tuple(args[1:])
+        full = self.coll.gather_rows(x, self.DIM, sizes)
+        self.gathered += 1
+        return (full,) + tuple(args[1:])
 
     def _gather_post(self, module, args, output):
         if self.band.sizes is None:
             return None
+        self.gathered -= 1
         # the output covers every band: keep this rank's (band sizes scaled to this resolution)
         sizes = self.band.sizes
         factor = Fraction(output.shape[self.DIM], sum(sizes))
         rank = self.coll.comm.rank
         return output.narrow(self.DIM, int(sum(sizes[:rank]) * factor), int(sizes[rank] * factor))
+
+    # --- GroupNorm: statistics over every band
+    def _group_norm_forward(self, module, orig):
+        def forward(x):
+            if self.band.sizes is None or self.gathered:
+                return orig(x)  # unsplit call, or inside a module that sees the gathered input
+            return _group_norm(x, module.num_groups, module.weight, module.bias, module.eps, self.coll)
+
+        return forward
 
     # --- modules that draw frame-shaped random tensors
     def _band_random_forward(self, orig):
@@ -381,6 +395,10 @@ class _SpatialSplit:
         if any(id(m) in self.replicate or id(m) in self.reflect for pair in layout.pairs for m in pair):
             raise ValueError("parallel VAE: a halo module with replicate row padding cannot be one of "
                              "SpatialLayout.pairs (their merged exchange assumes zero padding)")
+        bad = [m for m in layout.group_norm if not isinstance(m, torch.nn.GroupNorm)]
+        if bad:
+            raise ValueError(f"parallel VAE: SpatialLayout.group_norm takes nn.GroupNorm modules, got "
+                             f"{type(bad[0]).__name__}")
         self._patch(layout.root, "forward", self._root_forward)
         rows_of = {id(m): r for m, r in layout.halo}
         firsts, seconds = {}, set()
@@ -412,6 +430,8 @@ class _SpatialSplit:
                 self.handles.append(mod.register_forward_hook(self._gather_post))
             for mod in layout.band_random:
                 self._patch(mod, "forward", self._band_random_forward)
+            for mod in layout.group_norm:
+                self._patch(mod, "forward", lambda orig, mod=mod: self._group_norm_forward(mod, orig))
         except BaseException:
             self.remove()
             raise

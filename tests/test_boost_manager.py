@@ -155,12 +155,12 @@ def test_boost_manager_refuses_before_touching_the_target(monkeypatch, tmp_path)
     # a feature the family lacks, before any collective (no MASTER_ADDR: reaching init would fail otherwise)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    import _tiny_flux
+    import _tiny_cogvideox
 
-    flux = _tiny_flux.pipeline()
-    with pytest.raises(Exception, match=r"no parallel-VAE adapter for AutoencoderKL;"):
-        BoostManager(flux, {"Parallel": {"world_size": 2, "vae": {"alg": "DP"}}})
-    assert not lite_boost.api.is_boosted(flux)
+    cog = _tiny_cogvideox.tiny_pipeline()
+    with pytest.raises(Exception, match=r"no parallel-VAE adapter for AutoencoderKLCogVideoX;"):
+        BoostManager(cog, {"Parallel": {"world_size": 2, "vae": {"alg": "DP"}}})
+    assert not lite_boost.api.is_boosted(cog)
     qwen = tiny_qwen_image_pipeline()
     with pytest.raises(ConfigError, match=r"world_size=4 .* does not match the launched world size 2"):
         BoostManager(qwen, {"Parallel": {"world_size": 4}})

@@ -294,8 +294,7 @@ def test_family_is_registered_with_its_features():
     assert family_of(tf.pipeline("kontext")) is FLUX
     features = FLUX.features
     assert all(features[f] is None for f in ("dense", "sparse", "sequence_parallel", "cfg_parallel", "step_cache",
-                                             "compile", "quant"))
-    assert "no parallel-VAE adapter" in features["parallel_vae"]
+                                             "compile", "quant", "parallel_vae"))
     assert FLUX.quant_patterns == ("transformer_blocks.*", "single_transformer_blocks.*")
     assert isinstance(tf.pipeline("t2i").transformer.pos_embed, torch.nn.Module)
     assert CachedFluxRope.__module__ == "lite_boost.models.flux"
@@ -308,4 +307,4 @@ def test_lite_boost_models_lists_the_family(capsys):
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| flux |"))
     assert "FluxKontextPipeline" in row and "| text_first | separate |" in row
-    assert row.count("| yes") == 7 and row.count("| no") == 1  # parallel_vae: no
+    assert row.count("| yes") == 8 and row.count("| no") == 0  # parallel_vae too (models/flux_vae.py)

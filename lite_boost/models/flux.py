@@ -256,8 +256,9 @@ FLUX = register_family(ModelFamily(
     pipeline=FLUX_PIPELINE_PLAN,
     cache=FLUX_CACHE_ADAPTER,
     quant_patterns=("transformer_blocks.*", "single_transformer_blocks.*"),
-    unsupported={"parallel_vae": "AutoencoderKL (Flux) has no parallel-VAE adapter yet; each rank decodes the image"},
-    notes="text replicated on every rank (dual and single blocks exchange only the image tokens)",
+    notes="text replicated on every rank (dual and single blocks exchange only the image tokens); parallel VAE: row "
+          "bands per rank (exact; models/flux_vae.py: halo rows per 3x3 conv, GroupNorm statistics merged over the "
+          "bands, the mid-block attention gathered)",
 ))
 
 boost_flux_transformer = FLUX.boost_transformer

@@ -314,9 +314,9 @@ FLUX2 = register_family(ModelFamily(
     pipeline=FLUX2_PIPELINE_PLAN,
     cache=FLUX2_CACHE_ADAPTER,
     quant_patterns=("transformer_blocks.*", "single_transformer_blocks.*"),
-    unsupported={"parallel_vae": "AutoencoderKLFlux2 has no parallel-VAE adapter yet; each rank decodes the image"},
     notes="text replicated on every rank; Flux.2 [dev] is guidance-distilled (no CFG); reference-image KV caching "
-          "(Flux.2 [klein] KV) on one process only",
+          "(Flux.2 [klein] KV) on one process only; parallel VAE: row bands per rank (exact; models/flux_vae.py: "
+          "halo rows per 3x3 conv, GroupNorm statistics merged over the bands, the mid-block attention gathered)",
     # `lite-boost generate --family flux2`: 64 x 64 px = 1,024 image tokens, random prompt embeddings (no text
     # encoder), 10 steps, dense (lite_boost.demo.DEMO_FLUX2_*)
     tiny={"t2i": TinyPipeline("Flux2KleinPipeline", builder="lite_boost.demo:demo_flux2_pipeline",

@@ -127,14 +127,17 @@ class _CfgActive:
                             f"pipeline's {type(guider).__name__} runs {n} this step")
         return n
 
-    def install(self, patched: list) -> None:
-        """Wrap the pipeline's ``call_start`` / ``encodes`` methods on the instance (names into ``patched``)."""
+    def install(self, patched: list, priors: dict) -> None:
+        """Wrap the pipeline's ``call_start`` / ``encodes`` methods on the instance (names into ``patched``, an
+        instance attribute replaced into ``priors``: e.g. the boost's own ``call_start`` wrapper, put back later)."""
         if self.plan.kind == "guider":
             return
         wrap = [] if self.plan.flag is not None else [(self.plan.encodes, self._count)]
         if self.plan.flag is None or self.plan.by_call_order:
             wrap.insert(0, (self.plan.call_start, self._reset))
         for name, action in wrap:
+            if name in self.pipe.__dict__:
+                priors.setdefault(name, self.pipe.__dict__[name])
             inner = getattr(self.pipe, name)
 
             def wrapper(*args, _inner=inner, _action=action, **kwargs):
@@ -365,6 +368,7 @@ class _PipelineParallel:
     config: BoostConfig
     models: list
     patched: list = field(default_factory=list)
+    priors: dict = field(default_factory=dict)  # instance attributes we replaced (put back on removal)
     weights: list = field(default_factory=list)  # FsdpShards of the text encoders
 
 
@@ -588,7 +592,7 @@ def parallelize(target, models, plans, pipeline_plan: PipelinePlan | None, confi
             _broadcast_latents(target, pipeline_plan.prepare_latents, mesh)
             pstate.patched.append(pipeline_plan.prepare_latents)
         if active is not None and mesh.cfg_degree > 1:
-            active.install(pstate.patched)
+            active.install(pstate.patched, pstate.priors)
         object.__setattr__(target, _PIPE_ATTR, pstate)
     logger.info("lite_boost parallel: %s", mesh.describe())
     return target
@@ -608,7 +612,9 @@ def unparallelize(target):
             shards.remove()
         pstate.weights.clear()
         for name in pstate.patched:
-            if name in target.__dict__:
+            if name in pstate.priors:
+                object.__setattr__(target, name, pstate.priors[name])
+            elif name in target.__dict__:
                 object.__delattr__(target, name)
         object.__delattr__(target, _PIPE_ATTR)
         models = pstate.models

@@ -294,6 +294,10 @@ class CacheAdapter:
     timestep_scale: the pipeline's timestep is the transformer's ``timestep`` argument times this
         (Flux pipelines pass t / 1000: 1000); the current timestep Pyramid Attention Broadcast
         compares with its timestep ranges is on the pipeline's scale, as with diffusers alone.
+    name_calls: the family's pipelines call the transformer without ``cache_context``, cond then
+        uncond (``CfgPlan(by_call_order=True)``): a boosted pipeline names each call ``cond`` /
+        ``uncond`` by that order (:func:`lite_boost.adapter.cache.install_call_names`, on the
+        instances), as diffusers' Wan pipelines name theirs.
     """
 
     methods: tuple[str, ...]
@@ -303,6 +307,7 @@ class CacheAdapter:
     probe_module: str | None = None
     refuse_pipelines: Mapping[str, str] = field(default_factory=dict)
     timestep_scale: float = 1.0
+    name_calls: bool = False
 
 
 def check_not_cached(model) -> None:

@@ -38,7 +38,7 @@ from ..ops.precision import PRECISIONS
 from ..offload import offload_module, offload_pipeline, reapply_user_offload, remove_offload, resolve_onload_device
 from ..ops.rope import RopeCache
 from ..quant import check_uninstall_quant, install_quant, uninstall_quant
-from .cache import install_cache, uninstall_cache
+from .cache import install_call_names, install_cache, uninstall_call_names, uninstall_cache
 from .loaders import install_loader_guards, install_pipeline_guards, uninstall_loader_guards, uninstall_pipeline_guards
 from .processor import DenseAttention, LiteBoostProcessor
 from .steps import attach_step_check, detach_step_check
@@ -307,11 +307,13 @@ def boost_pipeline(family, pipe, config: BoostConfig | None = None, onload_devic
 
     offload_pipeline(pipe, config.offload, tuple(family.pipeline.transformers) + tuple(fsdp_offloaded_encoders(pipe, config)),
                      onload_device)
+    install_call_names(pipe, family, transformers)  # cond / uncond names for a pipeline that sets none (step caches)
     install_pipeline_guards(pipe)
     return pipe
 
 
 def unboost_pipeline(family, pipe):
+    uninstall_call_names(pipe)
     for _, module in pipeline_transformers(family, pipe):
         unboost_model(module)
     offload_pipeline(pipe, None, family.pipeline.transformers)

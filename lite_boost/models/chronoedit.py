@@ -10,6 +10,9 @@ are. What differs is data, plus one RoPE shim:
   like Wan's (the two frames are rows of the ``skip_len``-frame grid).
 * CFG: the pipeline runs cond then uncond without ``cache_context`` names, so CFG parallel splits the
   two calls by their order (``CfgPlan(by_call_order=True)``).
+* Step caching: with a cache configured, the boosted pipeline names each transformer call ``cond`` /
+  ``uncond`` by the same order (``CacheAdapter(name_calls=True)``), so TaylorSeer and Pyramid Attention
+  Broadcast run as on a Wan pipeline; First-Block Cache / MagCache do not know the block copy.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ import math
 import torch
 
 from ..adapter import ModelFamily, RopeSource
-from ..adapter.shims import patch_grid
+from ..adapter.shims import SEA_CACHE_WHY_NOT, patch_grid, separate_passes_why_not
+from ..cache import CacheAdapter
 from ..ops.rope import RotaryEmbedding, phasors_from_complex, rope_tables
 from ..parallel.plan import CfgPlan, PipelinePlan
 from ..registry import register_family
-from .wan import (_ROPE_THETA, WAN, WAN_SHARDING_PLAN, WAN_TP_PLAN, CachedWanRope,
+from .wan import (_ROPE_THETA, WAN, WAN_CACHE_ADAPTER, WAN_SHARDING_PLAN, WAN_TP_PLAN, CachedWanRope,
                   _rope_matches_cache, _token_grid)
 
 __all__ = ["CHRONOEDIT", "CachedChronoEditRope"]
@@ -71,11 +75,17 @@ CHRONOEDIT = register_family(ModelFamily(
     pipeline=PipelinePlan(cfg=CfgPlan(call_start="check_inputs", by_call_order=True)),
     tensor_parallel=WAN_TP_PLAN,
     quant_patterns=WAN.quant_patterns,
-    # On stock diffusers First-Block Cache and MagCache fail (ChronoEdit's copy of WanTransformerBlock is not in
-    # diffusers' block registry) and TaylorSeer needs cache_context, which ChronoEditPipeline never sets; Pyramid
-    # Attention Broadcast runs there, but without cache_context the uncond pass cannot be told from a new generation.
-    unsupported={"step_cache": "ChronoEditPipeline calls the transformer without cache_context (diffusers' block "
-                               "caches fail on it too)"},
+    # ChronoEditPipeline sets no cache_context: the boosted pipeline names its calls cond / uncond by their order
+    # (name_calls), which TaylorSeer's per-branch state and the new-generation reset need. First-Block Cache and
+    # MagCache fail on stock diffusers (ChronoEdit's copy of WanTransformerBlock is not in diffusers' block registry).
+    cache=CacheAdapter(
+        methods=("taylorseer_cache", "pyramid_attention_broadcast"),
+        defaults=WAN_CACHE_ADAPTER.defaults,
+        why_not={**{m: "diffusers registers no block metadata for ChronoEdit's WanTransformerBlock copy (stock "
+                       "diffusers fails too)" for m in ("first_block_cache", "mag_cache")},
+                 "faster_cache": separate_passes_why_not("ChronoEdit"), "sea_cache": SEA_CACHE_WHY_NOT},
+        probe_module="patch_embedding",
+        name_calls=True),
     output="video",
     notes="Wan2.1-I2V blocks; two-frame edits take RoPE frames 0 and rope_temporal_skip_len - 1; CFG passes "
           "split by call order (the pipeline names neither)",

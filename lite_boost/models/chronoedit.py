@@ -22,13 +22,12 @@ import math
 import torch
 
 from ..adapter import ModelFamily, RopeSource
-from ..adapter.shims import SEA_CACHE_WHY_NOT, patch_grid, separate_passes_why_not
-from ..cache import CacheAdapter
+from ..adapter.shims import patch_grid
 from ..ops.rope import RotaryEmbedding, phasors_from_complex, rope_tables
 from ..parallel.plan import CfgPlan, PipelinePlan
 from ..registry import register_family
-from .wan import (_ROPE_THETA, WAN, WAN_CACHE_ADAPTER, WAN_SHARDING_PLAN, WAN_TP_PLAN, CachedWanRope,
-                  _rope_matches_cache, _token_grid)
+from .wan import (_ROPE_THETA, WAN, WAN_SHARDING_PLAN, WAN_TP_PLAN, CachedWanRope, _rope_matches_cache, _token_grid,
+                  wan_copy_cache_adapter)
 
 __all__ = ["CHRONOEDIT", "CachedChronoEditRope"]
 
@@ -78,14 +77,7 @@ CHRONOEDIT = register_family(ModelFamily(
     # ChronoEditPipeline sets no cache_context: the boosted pipeline names its calls cond / uncond by their order
     # (name_calls), which TaylorSeer's per-branch state and the new-generation reset need. First-Block Cache and
     # MagCache fail on stock diffusers (ChronoEdit's copy of WanTransformerBlock is not in diffusers' block registry).
-    cache=CacheAdapter(
-        methods=("taylorseer_cache", "pyramid_attention_broadcast"),
-        defaults=WAN_CACHE_ADAPTER.defaults,
-        why_not={**{m: "diffusers registers no block metadata for ChronoEdit's WanTransformerBlock copy (stock "
-                       "diffusers fails too)" for m in ("first_block_cache", "mag_cache")},
-                 "faster_cache": separate_passes_why_not("ChronoEdit"), "sea_cache": SEA_CACHE_WHY_NOT},
-        probe_module="patch_embedding",
-        name_calls=True),
+    cache=wan_copy_cache_adapter("ChronoEdit", name_calls=True),
     output="video",
     notes="Wan2.1-I2V blocks; two-frame edits take RoPE frames 0 and rope_temporal_skip_len - 1; CFG passes "
           "split by call order (the pipeline names neither)",

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..adapter import (AttentionSite, BoostState, DenseAttention, LiteBoostProcessor, ModelFamily, RopeSource,
                        TinyPipeline)
 from ..adapter.boost import unboost_model
-from ..adapter.shims import CachedRope, patch_grid, separate_passes_why_not, video_token_grid
+from ..adapter.shims import SEA_CACHE_WHY_NOT, CachedRope, patch_grid, separate_passes_why_not, video_token_grid
 from ..cache import CacheAdapter
 from ..config import ConfigError
 from ..ops.attention import attention
@@ -47,6 +47,7 @@ __all__ = [
     "WAN_SHARDING_PLAN",
     "WAN_PIPELINE_PLAN",
     "WAN_CACHE_ADAPTER",
+    "wan_copy_cache_adapter",
     "WAN_TP_PLAN",
 ]
 
@@ -195,6 +196,22 @@ WAN_CACHE_ADAPTER = CacheAdapter(
     why_not={"faster_cache": separate_passes_why_not("Wan")},
     probe_module="patch_embedding",
 )
+
+
+
+def wan_copy_cache_adapter(model: str, **extra) -> CacheAdapter:
+    """The step caches of a family whose blocks are diffusers' copy of ``WanTransformerBlock`` under another class
+    (ChronoEdit, Wan Animate): TaylorSeer and Pyramid Attention Broadcast with Wan's defaults; First-Block Cache
+    and MagCache need diffusers' block metadata, which it registers for Wan's class only. ``model`` names the
+    model in the refusals; ``extra``: more CacheAdapter fields (e.g. ``name_calls``)."""
+    return CacheAdapter(
+        methods=("taylorseer_cache", "pyramid_attention_broadcast"),
+        defaults=WAN_CACHE_ADAPTER.defaults,
+        why_not={**{m: f"diffusers registers no block metadata for {model}'s WanTransformerBlock copy (stock "
+                       "diffusers fails too)" for m in ("first_block_cache", "mag_cache")},
+                 "faster_cache": separate_passes_why_not(model), "sea_cache": SEA_CACHE_WHY_NOT},
+        probe_module="patch_embedding", **extra)
+
 
 # ----------------------------------------------------------------------------------------- parallel layout
 WAN_SHARDING_PLAN = ShardingPlan(

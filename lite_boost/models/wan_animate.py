@@ -21,13 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from ..adapter import AttentionSite, LiteBoostProcessor, ModelFamily, RopeSource
-from ..adapter.shims import SEA_CACHE_WHY_NOT, separate_passes_why_not
-from ..cache import CacheAdapter
 from ..ops.attention import attention
 from ..parallel.plan import CfgPlan, PipelinePlan
 from ..registry import register_family
-from .wan import (WAN, WAN_CACHE_ADAPTER, WAN_SHARDING_PLAN, WAN_TP_PLAN, CachedWanRope, _qkv, _rope_matches_cache,
-                  _token_grid)
+from .wan import (WAN, WAN_SHARDING_PLAN, WAN_TP_PLAN, CachedWanRope, _qkv, _rope_matches_cache, _token_grid,
+                  wan_copy_cache_adapter)
 
 __all__ = ["WAN_ANIMATE", "LiteBoostWanAnimateFaceProcessor"]
 
@@ -115,13 +113,7 @@ WAN_ANIMATE = register_family(ModelFamily(
     sharding=WAN_SHARDING_PLAN,  # the face adapter runs on each rank's shard
     pipeline=PipelinePlan(cfg=CfgPlan()),
     tensor_parallel=WAN_TP_PLAN,  # the blocks' heads and FFN; the face adapter whole on every rank (full tokens)
-    cache=CacheAdapter(
-        methods=("taylorseer_cache", "pyramid_attention_broadcast"),
-        defaults=WAN_CACHE_ADAPTER.defaults,
-        why_not={**{m: "diffusers registers no block metadata for Wan Animate's WanTransformerBlock copy (stock "
-                       "diffusers fails too)" for m in ("first_block_cache", "mag_cache")},
-                 "faster_cache": separate_passes_why_not("Wan Animate"), "sea_cache": SEA_CACHE_WHY_NOT},
-        probe_module="patch_embedding"),
+    cache=wan_copy_cache_adapter("Wan Animate"),
     quant_patterns=WAN.quant_patterns,
     output="video",
     notes="Wan2.1-I2V blocks; pose latents added to the video tokens; the face adapter attends each rank's tokens "

@@ -665,9 +665,10 @@ def modular_blocks(model_dir):
     return blocks, dropped
 
 
-def modular_parameters(blocks, dropped: dict) -> tuple[set[str], list[str]]:
+def modular_parameters(blocks) -> tuple[set[str], list[str]]:
     """(argument names, required arguments) of a call of modular ``blocks``: their inputs, and the required ones
-    that no step of theirs makes (the outputs of the ``dropped`` steps among them: the call passes those)."""
+    that no step of theirs makes (the outputs of steps :func:`modular_blocks` dropped among them: the call passes
+    those)."""
     made = {o.name for b in _walk_blocks(blocks) for o in b.intermediate_outputs}
     names = {i.name for i in blocks.inputs if i.name}
     return names, [n for n in blocks.required_inputs if n not in made]
@@ -678,7 +679,7 @@ def _call_parameters(class_name: str, model_dir=None) -> tuple[set[str] | None, 
     lacks) of the pipeline a run calls: a modular folder's blocks, else the class's ``__call__``."""
     if is_modular(model_dir):
         blocks, dropped = modular_blocks(model_dir)
-        names, required = modular_parameters(blocks, dropped)
+        names, required = modular_parameters(blocks)
         return names, required, set().union(*dropped.values()) if dropped else set()
     try:
         import diffusers

@@ -473,7 +473,7 @@ def exact_int8_cpu(device: torch.device | str) -> bool:
     ``torch._int_mm`` has no fast kernel."""
     from .ops.quant_int8 import int8_mm_path
 
-    return torch.device(device).type == "cpu" and int8_mm_path("cpu") == "fp32"
+    return int8_mm_path(device) == "fp32"  # only a CPU's path is ever "fp32"
 
 
 def _int8_dynamic_forward(module: nn.Linear, spec, x: torch.Tensor) -> torch.Tensor:

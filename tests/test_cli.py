@@ -541,7 +541,7 @@ def test_modular_pipeline_arguments_are_checked_before_anything_runs(saved_newer
         main(["generate", "--model", str(folder), "--steps", "2", "--guidance-scale", "3"])
     blocks, dropped = cli.modular_blocks(folder)
     assert list(dropped) == ["text_encoder"] and dropped["text_encoder"] == {"prompt_embeds", "text_token_tags"}
-    names, required = cli.modular_parameters(blocks, dropped)
+    names, required = cli.modular_parameters(blocks)
     assert sorted(required) == ["num_inference_steps", "prompt_embeds", "text_token_tags"]
     assert {"height", "width", "num_frames", "output_type"} <= names and "prompt" not in names
 

@@ -135,8 +135,7 @@ def _int8_linear_op(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, z
                     mapping: str, reduce_range: bool) -> torch.Tensor:
     if dynamic and mapping == "SYMMETRIC" and int8_mm_path(x.device) == "fp32":
         # torchao's eager path would call torch._int_mm's generic loop here: the same arithmetic, exact products
-        c, x_scale = _int8_partial_mm_op(x, int8_act_absmax(x), qdata, mapping, reduce_range)
-        return _int8_finish_op(c, x_scale, scale, bias, x)
+        return int8_dynamic_linear(x, qdata, scale, bias, Int8Spec(block_size, dtype, dynamic, mapping, reduce_range))
     weight = _rebuild(qdata, scale, zero_point, block_size, dtype, dynamic, mapping, reduce_range)
     return torch.nn.functional.linear(x, weight, bias)
 
